@@ -1,0 +1,1 @@
+"""Benchmarks of ucxx: ``python -m ucxx.benchmarks.send_recv --help``."""
