@@ -1,0 +1,195 @@
+/*
+ * buffer.c - turns a Python object into (pointer, length, memory type):
+ * the buffer protocol for host memory, __cuda_array_interface__ for device
+ * memory.  Owns nothing beyond the ucxx_buf it fills; the caller releases
+ * it with ucxx_buf_release() exactly once.
+ */
+#include "ucxx.h"
+
+/* Item size from a typestr such as "<f8", "|u1". */
+static int
+typestr_itemsize(PyObject *typestr, Py_ssize_t *itemsize)
+{
+    const char *s = PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
+    long n;
+    char *end;
+
+    if (s == NULL || strlen(s) < 3) {
+        PyErr_SetString(PyExc_TypeError,
+                        "__cuda_array_interface__: bad 'typestr'");
+        return -1;
+    }
+    n = strtol(s + 2, &end, 10);
+    if (*end != '\0' || n <= 0) {
+        PyErr_Format(PyExc_TypeError,
+                     "__cuda_array_interface__: bad 'typestr' %R", typestr);
+        return -1;
+    }
+    *itemsize = n;
+    return 0;
+}
+
+/* Parse __cuda_array_interface__ (v2/v3): data, shape, typestr, strides,
+ * mask.  The stream, when given, is left to the producer: we document that
+ * device buffers must be ready (see docs/DECISIONS.md). */
+static int
+cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
+{
+    PyObject *data, *shape, *typestr, *strides, *mask, *ptr, *ro;
+    Py_ssize_t itemsize, n, nbytes = 1, expect;
+
+    if (!PyDict_Check(cai)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "__cuda_array_interface__ must be a dict");
+        return -1;
+    }
+    data = PyDict_GetItemString(cai, "data");
+    shape = PyDict_GetItemString(cai, "shape");
+    typestr = PyDict_GetItemString(cai, "typestr");
+    if (data == NULL || shape == NULL || typestr == NULL ||
+        !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 ||
+        !PyTuple_Check(shape)) {
+        PyErr_SetString(PyExc_TypeError,
+                        "__cuda_array_interface__ needs 'data' (ptr, readonly),"
+                        " 'shape' (tuple) and 'typestr'");
+        return -1;
+    }
+    mask = PyDict_GetItemString(cai, "mask");
+    if (mask != NULL && mask != Py_None) {
+        PyErr_SetString(PyExc_BufferError,
+                        "masked CUDA arrays cannot be transferred");
+        return -1;
+    }
+    if (typestr_itemsize(typestr, &itemsize) < 0) {
+        return -1;
+    }
+    n = PyTuple_GET_SIZE(shape);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+        if (d < 0) {
+            if (!PyErr_Occurred()) {
+                PyErr_SetString(PyExc_ValueError, "negative CUDA shape");
+            }
+            return -1;
+        }
+        nbytes *= d;
+    }
+    nbytes *= itemsize;
+    strides = PyDict_GetItemString(cai, "strides");
+    if (strides != NULL && strides != Py_None) {
+        if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != n) {
+            PyErr_SetString(PyExc_TypeError,
+                            "__cuda_array_interface__: bad 'strides'");
+            return -1;
+        }
+        /* C-contiguous: stride[i] == itemsize * prod(shape[i+1:]) */
+        expect = itemsize;
+        for (Py_ssize_t i = n - 1; i >= 0; i--) {
+            Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+            Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
+            if (s == -1 && PyErr_Occurred()) {
+                return -1;
+            }
+            if (d > 1 && s != expect) {
+                PyErr_SetString(PyExc_BufferError,
+                                "CUDA array is not C-contiguous");
+                return -1;
+            }
+            expect *= d;
+        }
+    }
+    ro = PyTuple_GET_ITEM(data, 1);
+    if (writable && PyObject_IsTrue(ro)) {
+        PyErr_SetString(PyExc_BufferError,
+                        "CUDA array is read-only; a receive needs a writable "
+                        "buffer");
+        return -1;
+    }
+    ptr = PyTuple_GET_ITEM(data, 0);
+    b->ptr = PyLong_AsVoidPtr(ptr);
+    if (b->ptr == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    if (b->ptr == NULL && nbytes > 0) {
+        PyErr_SetString(PyExc_ValueError, "CUDA array has a NULL pointer");
+        return -1;
+    }
+    b->len = (size_t)nbytes;
+    b->mem_type = UCS_MEMORY_TYPE_CUDA;
+    b->view.obj = NULL;
+    b->owner = Py_NewRef(obj);
+    return 0;
+}
+
+/*
+ * Fill b from obj.  Host objects must export a C-contiguous buffer
+ * (writable for receives); device objects need __cuda_array_interface__.
+ * On error b holds nothing and a TypeError/BufferError is set.
+ */
+int
+ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b)
+{
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    PyObject *cai;
+    int rc;
+
+    b->owner = NULL;
+    b->view.obj = NULL;
+    if (PyObject_CheckBuffer(obj)) {
+        if (PyObject_GetBuffer(obj, &b->view, flags) < 0) {
+            return -1;
+        }
+        b->ptr = b->view.buf;
+        b->len = (size_t)b->view.len;
+        b->mem_type = UCS_MEMORY_TYPE_HOST;
+        return 0;
+    }
+    cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+    if (cai == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
+            return -1;
+        }
+        PyErr_Clear();
+    }
+    if (cai == NULL) {
+        PyErr_Format(PyExc_TypeError,
+                     "a bytes-like object or an object with "
+                     "__cuda_array_interface__ is required, not '%.100s'",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    rc = cuda_buf_get(obj, cai, writable, b);
+    Py_DECREF(cai);
+    return rc;
+}
+
+void
+ucxx_buf_release(ucxx_buf *b)
+{
+    if (b->view.obj != NULL) {
+        PyBuffer_Release(&b->view);
+    }
+    Py_CLEAR(b->owner);
+}
+
+/* A tag: a Python int in [0, 2**64). */
+int
+ucxx_tag_from_obj(PyObject *obj, ucp_tag_t *tag)
+{
+    unsigned long long v;
+
+    if (!PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "tag must be an int, not '%.100s'",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    v = PyLong_AsUnsignedLongLong(obj);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "tag must be in [0, 2**64), got %R",
+                     obj);
+        return -1;
+    }
+    *tag = (ucp_tag_t)v;
+    return 0;
+}

@@ -1,0 +1,237 @@
+/*
+ * module.c - the module ucxx._ucxx: multi-phase init, module state, the
+ * heap types, constants, get_ucx_version() and get_config().
+ * Owns the module state; nothing here touches CUDA or creates a context.
+ */
+#include "ucxx.h"
+
+ucxx_state *
+ucxx_state_from_type(PyTypeObject *tp)
+{
+    return (ucxx_state *)PyType_GetModuleState(tp);
+}
+
+ucxx_state *
+ucxx_state_of(PyObject *obj)
+{
+    return ucxx_state_from_type(Py_TYPE(obj));
+}
+
+PyDoc_STRVAR(get_ucx_version_doc,
+"get_ucx_version($module, /)\n--\n\n"
+"Version (major, minor, release) of the UCX library loaded at run time.");
+
+static PyObject *
+get_ucx_version(PyObject *module, PyObject *unused)
+{
+    unsigned major, minor, release;
+
+    ucp_get_version(&major, &minor, &release);
+    return Py_BuildValue("(III)", major, minor, release);
+}
+
+PyDoc_STRVAR(get_config_doc,
+"get_config($module, /, options=None)\n--\n\n"
+"UCX configuration {NAME: value} (no UCX_ prefix) after applying options.\n"
+"Creates no context.");
+
+static PyMethodDef module_methods[] = {
+    {"get_ucx_version", get_ucx_version, METH_NOARGS, get_ucx_version_doc},
+    {"get_config", (PyCFunction)(void (*)(void))ucxx_get_config,
+     METH_VARARGS | METH_KEYWORDS, get_config_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static int
+add_type(PyObject *m, PyType_Spec *spec, PyTypeObject **slot)
+{
+    *slot = (PyTypeObject *)PyType_FromModuleAndSpec(m, spec, NULL);
+    if (*slot == NULL) {
+        return -1;
+    }
+    return PyModule_AddType(m, *slot);
+}
+
+static int
+intern(PyObject **slot, const char *s)
+{
+    *slot = PyUnicode_InternFromString(s);
+    return *slot == NULL ? -1 : 0;
+}
+
+static int
+module_exec(PyObject *m)
+{
+    ucxx_state *st = PyModule_GetState(m);
+    PyObject *asyncio = NULL, *abc = NULL, *coro = NULL, *res = NULL;
+
+    if (ucxx_status_init(m, st) < 0) {
+        return -1;
+    }
+    if (add_type(m, &ucxx_context_spec, &st->ContextType) < 0 ||
+        add_type(m, &ucxx_worker_spec, &st->WorkerType) < 0 ||
+        add_type(m, &ucxx_endpoint_spec, &st->EndpointType) < 0 ||
+        add_type(m, &ucxx_listener_spec, &st->ListenerType) < 0 ||
+        add_type(m, &ucxx_request_spec, &st->RequestType) < 0 ||
+        add_type(m, &ucxx_progress_spec, &st->ProgressType) < 0) {
+        return -1;
+    }
+    if (intern(&st->s_create_future, "create_future") < 0 ||
+        intern(&st->s_create_task, "create_task") < 0 ||
+        intern(&st->s_set_result, "set_result") < 0 ||
+        intern(&st->s_set_exception, "set_exception") < 0 ||
+        intern(&st->s_call_soon, "call_soon") < 0 ||
+        intern(&st->s_add_reader, "add_reader") < 0 ||
+        intern(&st->s_remove_reader, "remove_reader") < 0 ||
+        intern(&st->s_is_closed, "is_closed") < 0 ||
+        intern(&st->s_done, "done") < 0 ||
+        intern(&st->s_cancel, "cancel") < 0 ||
+        intern(&st->s_blocking, "_asyncio_future_blocking") < 0) {
+        return -1;
+    }
+
+    asyncio = PyImport_ImportModule("asyncio");
+    if (asyncio == NULL) {
+        goto error;
+    }
+    st->get_running_loop = PyObject_GetAttrString(asyncio, "get_running_loop");
+    st->CancelledError = PyObject_GetAttrString(asyncio, "CancelledError");
+    st->InvalidStateError = PyObject_GetAttrString(asyncio,
+                                                   "InvalidStateError");
+    if (st->get_running_loop == NULL || st->CancelledError == NULL ||
+        st->InvalidStateError == NULL) {
+        goto error;
+    }
+    st->ResourceWarning_ = PyExc_ResourceWarning;
+
+    /* asyncio accepts the C progress coroutine as a coroutine. */
+    abc = PyImport_ImportModule("collections.abc");
+    if (abc == NULL) {
+        goto error;
+    }
+    coro = PyObject_GetAttrString(abc, "Coroutine");
+    if (coro == NULL) {
+        goto error;
+    }
+    res = PyObject_CallMethod(coro, "register", "O", st->ProgressType);
+    if (res == NULL) {
+        goto error;
+    }
+
+    if (PyModule_AddObject(m, "UCX_BUILD_VERSION",
+                           Py_BuildValue("(iii)", UCP_API_MAJOR, UCP_API_MINOR,
+                                         0)) < 0 ||
+        PyModule_AddIntConstant(m, "FEATURE_TAG", UCP_FEATURE_TAG) < 0 ||
+        PyModule_AddIntConstant(m, "FEATURE_RMA", UCP_FEATURE_RMA) < 0 ||
+        PyModule_AddIntConstant(m, "FEATURE_AMO32", UCP_FEATURE_AMO32) < 0 ||
+        PyModule_AddIntConstant(m, "FEATURE_AMO64", UCP_FEATURE_AMO64) < 0 ||
+        PyModule_AddIntConstant(m, "FEATURE_WAKEUP", UCP_FEATURE_WAKEUP) < 0 ||
+        PyModule_AddIntConstant(m, "FEATURE_STREAM", UCP_FEATURE_STREAM) < 0 ||
+        PyModule_AddIntConstant(m, "FEATURE_AM", UCP_FEATURE_AM) < 0 ||
+        PyModule_AddIntConstant(m, "DEFAULT_FEATURES",
+                                UCP_FEATURE_TAG | UCP_FEATURE_WAKEUP |
+                                UCP_FEATURE_STREAM | UCP_FEATURE_AM) < 0 ||
+        PyModule_AddIntConstant(m, "MEMORY_TYPE_HOST",
+                                UCS_MEMORY_TYPE_HOST) < 0 ||
+        PyModule_AddIntConstant(m, "MEMORY_TYPE_CUDA",
+                                UCS_MEMORY_TYPE_CUDA) < 0 ||
+        PyModule_AddIntConstant(m, "MEMORY_TYPE_UNKNOWN",
+                                UCS_MEMORY_TYPE_UNKNOWN) < 0) {
+        goto error;
+    }
+    Py_DECREF(res);
+    Py_DECREF(coro);
+    Py_DECREF(abc);
+    Py_DECREF(asyncio);
+    return 0;
+
+error:
+    Py_XDECREF(res);
+    Py_XDECREF(coro);
+    Py_XDECREF(abc);
+    Py_XDECREF(asyncio);
+    return -1;
+}
+
+static int
+module_traverse(PyObject *m, visitproc visit, void *arg)
+{
+    ucxx_state *st = PyModule_GetState(m);
+
+    Py_VISIT(st->ContextType);
+    Py_VISIT(st->WorkerType);
+    Py_VISIT(st->EndpointType);
+    Py_VISIT(st->ListenerType);
+    Py_VISIT(st->RequestType);
+    Py_VISIT(st->ProgressType);
+    for (int i = 0; i < UCXX_EXC_COUNT; i++) {
+        Py_VISIT(st->exc[i]);
+    }
+    Py_VISIT(st->get_running_loop);
+    Py_VISIT(st->CancelledError);
+    Py_VISIT(st->InvalidStateError);
+    return 0;
+}
+
+static int
+module_clear(PyObject *m)
+{
+    ucxx_state *st = PyModule_GetState(m);
+
+    Py_CLEAR(st->ContextType);
+    Py_CLEAR(st->WorkerType);
+    Py_CLEAR(st->EndpointType);
+    Py_CLEAR(st->ListenerType);
+    Py_CLEAR(st->RequestType);
+    Py_CLEAR(st->ProgressType);
+    for (int i = 0; i < UCXX_EXC_COUNT; i++) {
+        Py_CLEAR(st->exc[i]);
+    }
+    Py_CLEAR(st->get_running_loop);
+    Py_CLEAR(st->CancelledError);
+    Py_CLEAR(st->InvalidStateError);
+    Py_CLEAR(st->s_create_future);
+    Py_CLEAR(st->s_create_task);
+    Py_CLEAR(st->s_set_result);
+    Py_CLEAR(st->s_set_exception);
+    Py_CLEAR(st->s_call_soon);
+    Py_CLEAR(st->s_add_reader);
+    Py_CLEAR(st->s_remove_reader);
+    Py_CLEAR(st->s_is_closed);
+    Py_CLEAR(st->s_done);
+    Py_CLEAR(st->s_cancel);
+    Py_CLEAR(st->s_blocking);
+    return 0;
+}
+
+static void
+module_free(void *m)
+{
+    module_clear((PyObject *)m);
+}
+
+static PyModuleDef_Slot module_slots[] = {
+    {Py_mod_exec, module_exec},
+    {0, NULL},
+};
+
+PyDoc_STRVAR(module_doc,
+"UCX workers, endpoints, listeners and tagged transfers for asyncio.");
+
+PyModuleDef ucxx_module_def = {
+    PyModuleDef_HEAD_INIT,
+    .m_name = "ucxx._ucxx",
+    .m_doc = module_doc,
+    .m_size = sizeof(ucxx_state),
+    .m_methods = module_methods,
+    .m_slots = module_slots,
+    .m_traverse = module_traverse,
+    .m_clear = module_clear,
+    .m_free = module_free,
+};
+
+PyMODINIT_FUNC
+PyInit__ucxx(void)
+{
+    return PyModuleDef_Init(&ucxx_module_def);
+}

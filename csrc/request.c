@@ -1,0 +1,695 @@
+/*
+ * request.c - Request, the awaitable of one transfer (or one gather).
+ * Owns its buffers (Py_buffer or device owner) and, while UCX holds any of
+ * its operations, a reference to itself; both are released when the last
+ * operation completes (ucxx_request_dispatch).  UCX frees its own request
+ * handles in the completion callbacks below.
+ */
+#include "ucxx.h"
+#include <time.h>
+
+RequestObject *
+ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
+                 Py_ssize_t nops)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    RequestObject *r;
+
+    r = PyObject_GC_New(RequestObject, st->RequestType);
+    if (r == NULL) {
+        return NULL;
+    }
+    r->worker = (WorkerObject *)Py_NewRef(w);
+    r->endpoint = (EndpointObject *)Py_XNewRef(ep);
+    r->kind = kind;
+    r->status = UCS_INPROGRESS;
+    r->first_error = UCS_OK;
+    r->fail_status = UCS_OK;
+    r->npending = 0;
+    r->nops = nops;
+    r->posting = 1;
+    r->length = 0;
+    r->queued = 0;
+    r->self_ref = 0;
+    r->op1.req = r;
+    r->op1.ucp_req = NULL;
+    r->op1.expected = 0;
+    r->ops = &r->op1;
+    r->buf1.view.obj = NULL;
+    r->buf1.owner = NULL;
+    r->bufs = &r->buf1;
+    r->nbufs = 0;
+    r->result = NULL;
+    r->future = NULL;
+    r->next_done = NULL;
+    ucxx_list_init(&r->wlink);
+    ucxx_list_init(&r->elink);
+    PyObject_GC_Track(r);
+    return r;
+}
+
+static void
+record_error(RequestObject *r, ucs_status_t status)
+{
+    if (status != UCS_OK && r->first_error == UCS_OK) {
+        r->first_error = status;
+    }
+}
+
+/* One operation completed inside UCX (no GIL needed: C fields only). */
+static void
+op_complete(ucxx_op *op, ucs_status_t status)
+{
+    RequestObject *r = op->req;
+
+    op->ucp_req = NULL;
+    record_error(r, status);
+    if (--r->npending == 0 && !r->posting) {
+        ucxx_worker_queue_done(r->worker, r);
+    }
+}
+
+void
+ucxx_send_cb(void *request, ucs_status_t status, void *user_data)
+{
+    ucp_request_free(request);
+    op_complete((ucxx_op *)user_data, status);
+}
+
+void
+ucxx_recv_cb(void *request, ucs_status_t status,
+             const ucp_tag_recv_info_t *info, void *user_data)
+{
+    ucxx_op *op = user_data;
+    RequestObject *r = op->req;
+
+    ucp_request_free(request);
+    if (status == UCS_OK) {
+        r->length = info->length;
+        if (r->kind == UCXX_REQ_GATHER_RECV && info->length != op->expected) {
+            status = UCS_ERR_MESSAGE_TRUNCATED;
+        }
+    }
+    op_complete(op, status);
+}
+
+void
+ucxx_stream_recv_cb(void *request, ucs_status_t status, size_t length,
+                    void *user_data)
+{
+    ucxx_op *op = user_data;
+
+    ucp_request_free(request);
+    if (status == UCS_OK) {
+        op->req->length = length;
+    }
+    op_complete(op, status);
+}
+
+/*
+ * Account for the return value of one *_nbx call: NULL is an immediate
+ * completion, an error pointer fails the request, anything else is a UCX
+ * request we now wait for (and hold ourselves alive for).
+ */
+int
+ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp)
+{
+    if (sp == NULL) {
+        return 0;
+    }
+    if (UCS_PTR_IS_ERR(sp)) {
+        record_error(r, UCS_PTR_STATUS(sp));
+        return -1;
+    }
+    op->ucp_req = sp;
+    r->npending++;
+    if (!r->self_ref) {
+        Py_INCREF(r);
+        r->self_ref = 1;
+        ucxx_list_add_tail(&r->worker->pending, &r->wlink);
+    }
+    return 0;
+}
+
+/* All operations are posted: if none is pending, complete right away. */
+void
+ucxx_request_finish_posting(RequestObject *r)
+{
+    r->posting = 0;
+    if (r->npending == 0) {
+        ucxx_request_dispatch(r);
+    }
+}
+
+/* Fail a request whose operations UCX does not hold (AM waiters). */
+void
+ucxx_request_fail_now(RequestObject *r, ucs_status_t status)
+{
+    record_error(r, status);
+    if (r->npending == 0 && !r->queued && r->status == UCS_INPROGRESS) {
+        ucxx_worker_queue_done(r->worker, r);
+    }
+}
+
+/* Ask UCX to cancel what it still holds; report `report` instead of
+ * UCS_ERR_CANCELED (e.g. the peer's error). Sends cannot be recalled. */
+void
+ucxx_request_cancel_ucx(RequestObject *r, ucs_status_t report)
+{
+    WorkerObject *w = r->worker;
+
+    if (r->status != UCS_INPROGRESS) {
+        return;
+    }
+    if (report != UCS_ERR_CANCELED && r->fail_status == UCS_OK) {
+        r->fail_status = report;
+    }
+    if (r->kind == UCXX_REQ_AM_RECV) {
+        ucxx_list_del(&r->elink);
+        ucxx_request_fail_now(r, report);
+        return;
+    }
+    if (w->handle == NULL) {
+        return;
+    }
+    for (Py_ssize_t i = 0; i < r->nops; i++) {
+        if (r->ops[i].ucp_req != NULL) {
+            ucp_request_cancel(w->handle, r->ops[i].ucp_req);
+        }
+    }
+    ucxx_worker_touched(w);
+}
+
+PyObject *
+ucxx_request_result(RequestObject *r)
+{
+    ucxx_state *st;
+    ucs_status_t status = r->status;
+
+    if (status == UCS_OK) {
+        switch (r->kind) {
+        case UCXX_REQ_RECV:
+        case UCXX_REQ_STREAM_RECV:
+            return PyLong_FromSize_t(r->length);
+        case UCXX_REQ_AM_RECV:
+            return Py_NewRef(r->result ? r->result : Py_None);
+        default:
+            Py_RETURN_NONE;
+        }
+    }
+    st = ucxx_state_of((PyObject *)r);
+    if (status == UCS_INPROGRESS) {
+        PyErr_SetString(st->InvalidStateError, "request is not done");
+        return NULL;
+    }
+    return ucxx_raise_status(st, status, NULL);
+}
+
+/* Last operation done: release buffers, settle the status, resolve the
+ * future (which only schedules callbacks), drop the self reference. */
+void
+ucxx_request_dispatch(RequestObject *r)
+{
+    ucs_status_t status = r->first_error;
+    PyObject *fut = r->future, *res;
+
+    if (r->status != UCS_INPROGRESS) {
+        return;
+    }
+    for (Py_ssize_t i = 0; i < r->nbufs; i++) {
+        ucxx_buf_release(&r->bufs[i]);
+    }
+    r->nbufs = 0;
+    if (status == UCS_ERR_CANCELED && r->fail_status != UCS_OK) {
+        status = r->fail_status;
+    }
+    r->status = status;
+    ucxx_list_del(&r->wlink);
+    if (fut != NULL) {
+        ucxx_state *st = ucxx_state_of((PyObject *)r);
+        PyObject *val = ucxx_request_result(r);
+
+        if (val != NULL) {
+            res = PyObject_CallMethodOneArg(fut, st->s_set_result, val);
+            Py_DECREF(val);
+        } else {
+            PyObject *exc = PyErr_GetRaisedException_compat();
+            res = PyObject_CallMethodOneArg(fut, st->s_set_exception, exc);
+            Py_DECREF(exc);
+        }
+        if (res == NULL) {
+            /* Only a cancelled future refuses a result: nothing to tell. */
+            if (PyErr_ExceptionMatches(st->InvalidStateError)) {
+                PyErr_Clear();
+            } else {
+                PyErr_WriteUnraisable((PyObject *)r);
+            }
+        }
+        Py_XDECREF(res);
+    }
+    if (r->self_ref) {
+        r->self_ref = 0;
+        Py_DECREF(r);
+    }
+}
+
+/* ---- posting single operations ---------------------------------------- */
+
+static void
+param_init(ucp_request_param_t *p, RequestObject *r, ucxx_op *op,
+           ucs_memory_type_t mem_type)
+{
+    p->op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_MEMORY_TYPE;
+    p->user_data = op;
+    p->memory_type = mem_type;
+}
+
+PyObject *
+ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
+                       ucp_tag_t tag, ucp_tag_t mask)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucp_request_param_t param;
+    ucp_tag_recv_info_t info;
+    ucs_status_ptr_t sp;
+    RequestObject *r = ucxx_request_new(w, ep, UCXX_REQ_RECV, 1);
+
+    if (r == NULL) {
+        return NULL;
+    }
+    if (ucxx_buf_get(st, buf, 1, &r->buf1) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->nbufs = 1;
+    r->op1.expected = r->buf1.len;
+    param_init(&param, r, &r->op1, r->buf1.mem_type);
+    param.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
+    param.cb.recv = ucxx_recv_cb;
+    param.recv_info.tag_info = &info;
+    sp = ucp_tag_recv_nbx(w->handle, r->buf1.ptr, r->buf1.len, tag, mask,
+                          &param);
+    ucxx_worker_touched(w);
+    if (sp == NULL) {
+        r->length = info.length;
+    }
+    ucxx_request_track(r, &r->op1, sp);
+    /* A receive on a failed endpoint that did not match a message that had
+     * already arrived can never complete: fail it with the peer's error. */
+    if (ep != NULL && ep->error != UCS_OK && r->npending) {
+        ucxx_request_cancel_ucx(r, ep->error);
+    }
+    ucxx_request_finish_posting(r);
+    ucxx_worker_dispatch(w);
+    return (PyObject *)r;
+}
+
+PyObject *
+ucxx_request_post_send(EndpointObject *ep, PyObject *buf, ucp_tag_t tag)
+{
+    WorkerObject *w = ep->worker;
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucp_request_param_t param;
+    ucs_status_ptr_t sp;
+    RequestObject *r = ucxx_request_new(w, ep, UCXX_REQ_SEND, 1);
+
+    if (r == NULL) {
+        return NULL;
+    }
+    if (ucxx_buf_get(st, buf, 0, &r->buf1) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->nbufs = 1;
+    param_init(&param, r, &r->op1, r->buf1.mem_type);
+    param.cb.send = ucxx_send_cb;
+    sp = ucp_tag_send_nbx(ep->handle, r->buf1.ptr, r->buf1.len, tag, &param);
+    ucxx_worker_touched(w);
+    ucxx_request_track(r, &r->op1, sp);
+    ucxx_request_finish_posting(r);
+    return (PyObject *)r;
+}
+
+PyObject *
+ucxx_request_post_stream(EndpointObject *ep, PyObject *buf, int recv)
+{
+    WorkerObject *w = ep->worker;
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucp_request_param_t param;
+    ucs_status_ptr_t sp;
+    size_t length = 0;
+    RequestObject *r = ucxx_request_new(
+        w, ep, recv ? UCXX_REQ_STREAM_RECV : UCXX_REQ_SEND, 1);
+
+    if (r == NULL) {
+        return NULL;
+    }
+    if (ucxx_buf_get(st, buf, recv, &r->buf1) < 0) {
+        Py_DECREF(r);
+        return NULL;
+    }
+    r->nbufs = 1;
+    param_init(&param, r, &r->op1, r->buf1.mem_type);
+    if (recv) {
+        param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+        param.flags = UCP_STREAM_RECV_FLAG_WAITALL;
+        param.cb.recv_stream = ucxx_stream_recv_cb;
+        sp = ucp_stream_recv_nbx(ep->handle, r->buf1.ptr, r->buf1.len, &length,
+                                 &param);
+        if (sp == NULL) {
+            r->length = length;
+        }
+    } else {
+        param.cb.send = ucxx_send_cb;
+        sp = ucp_stream_send_nbx(ep->handle, r->buf1.ptr, r->buf1.len, &param);
+    }
+    ucxx_worker_touched(w);
+    ucxx_request_track(r, &r->op1, sp);
+    ucxx_request_finish_posting(r);
+    return (PyObject *)r;
+}
+
+/* ---- awaiting ---------------------------------------------------------- */
+
+static double
+now_us(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+/* Progress the worker inline for up to spin_us; true if r completed. */
+static int
+request_spin(RequestObject *r)
+{
+    WorkerObject *w = r->worker;
+    double deadline;
+    unsigned i = 0;
+
+    if (w->spin_us <= 0 || w->handle == NULL) {
+        return 0;
+    }
+    ucxx_worker_touched(w);
+    deadline = now_us() + w->spin_us;
+    for (;;) {
+        ucp_worker_progress(w->handle);
+        if (w->done_head != NULL) {
+            ucxx_worker_dispatch(w);
+            if (r->status != UCS_INPROGRESS) {
+                return 1;
+            }
+        }
+        if ((++i & 7) == 0 && now_us() >= deadline) {
+            return 0;
+        }
+    }
+}
+
+static PySendResult
+Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
+{
+    ucxx_state *st;
+    WorkerObject *w = r->worker;
+    PyObject *loop;
+
+    if (r->status != UCS_INPROGRESS) {
+        goto done;
+    }
+    st = ucxx_state_of((PyObject *)r);
+    if (r->future == NULL) {
+        if (request_spin(r)) {
+            goto done;
+        }
+        loop = PyObject_CallNoArgs(st->get_running_loop);
+        if (loop == NULL) {
+            *presult = NULL;
+            return PYGEN_ERROR;
+        }
+        if (loop != w->loop && ucxx_worker_attach(w, loop) < 0) {
+            Py_DECREF(loop);
+            *presult = NULL;
+            return PYGEN_ERROR;
+        }
+        /* About to give the loop control: leave the worker armed so the
+         * loop's poll sees the next event (the progress invariant). */
+        if (w->mode == UCXX_MODE_BLOCKING && !w->armed && w->handle != NULL) {
+            if (ucxx_worker_arm(w) < 0) {
+                Py_DECREF(loop);
+                *presult = NULL;
+                return PYGEN_ERROR;
+            }
+            if (r->status != UCS_INPROGRESS) {
+                Py_DECREF(loop);
+                goto done;
+            }
+        }
+        r->future = PyObject_CallMethodNoArgs(loop, st->s_create_future);
+        Py_DECREF(loop);
+        if (r->future == NULL) {
+            *presult = NULL;
+            return PYGEN_ERROR;
+        }
+    }
+    if (PyObject_SetAttr(r->future, st->s_blocking, Py_True) < 0) {
+        *presult = NULL;
+        return PYGEN_ERROR;
+    }
+    *presult = Py_NewRef(r->future);
+    return PYGEN_NEXT;
+
+done:
+    *presult = ucxx_request_result(r);
+    return *presult != NULL ? PYGEN_RETURN : PYGEN_ERROR;
+}
+
+static PyObject *
+Request_iternext(RequestObject *r)
+{
+    PyObject *res;
+
+    switch (Request_am_send(r, Py_None, &res)) {
+    case PYGEN_NEXT:
+        return res;
+    case PYGEN_RETURN:
+        _PyGen_SetStopIterationValue(res);
+        Py_DECREF(res);
+        return NULL;
+    default:
+        return NULL;
+    }
+}
+
+PyDoc_STRVAR(Request_send_doc, "send($self, value, /)\n--\n\n"
+             "Coroutine protocol: resume the await.");
+
+static PyObject *
+Request_send(RequestObject *r, PyObject *arg)
+{
+    return Request_iternext(r);
+}
+
+PyDoc_STRVAR(Request_throw_doc,
+"throw($self, typ, val=None, tb=None, /)\n--\n\n"
+"Coroutine protocol: the awaiting task was cancelled (or an exception was\n"
+"thrown in). A pending receive is cancelled in UCX; a send keeps running\n"
+"and keeps its buffer until UCX completes it.");
+
+static PyObject *
+Request_throw(RequestObject *r, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *typ, *val = NULL, *tb = NULL;
+
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "throw() takes 1 to 3 arguments");
+        return NULL;
+    }
+    typ = args[0];
+    if (nargs > 1) {
+        val = args[1];
+    }
+    if (nargs > 2) {
+        tb = args[2];
+    }
+    if (r->status == UCS_INPROGRESS && r->kind != UCXX_REQ_SEND &&
+        r->kind != UCXX_REQ_GATHER_SEND && r->kind != UCXX_REQ_AM_SEND &&
+        r->kind != UCXX_REQ_CLOSE) {
+        ucxx_request_cancel_ucx(r, UCS_ERR_CANCELED);
+        ucxx_worker_dispatch(r->worker);
+    }
+    if (PyExceptionInstance_Check(typ)) {
+        PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
+    } else if (PyExceptionClass_Check(typ)) {
+        PyErr_SetObject(typ, val == Py_None ? NULL : val);
+    } else {
+        PyErr_SetString(PyExc_TypeError,
+                        "exceptions must be classes or instances deriving "
+                        "from BaseException");
+        return NULL;
+    }
+    if (tb != NULL && tb != Py_None) {
+        PyObject *exc = PyErr_GetRaisedException_compat();
+        PyException_SetTraceback(exc, tb);
+        PyErr_SetRaisedException_compat(exc);
+    }
+    return NULL;
+}
+
+static PyObject *
+Request_close(RequestObject *r, PyObject *unused)
+{
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Request_done_doc, "done($self, /)\n--\n\nTrue once completed.");
+
+static PyObject *
+Request_done(RequestObject *r, PyObject *unused)
+{
+    return PyBool_FromLong(r->status != UCS_INPROGRESS);
+}
+
+PyDoc_STRVAR(Request_result_doc,
+"result($self, /)\n--\n\nThe result, or raise the request's error.");
+
+static PyObject *
+Request_result(RequestObject *r, PyObject *unused)
+{
+    return ucxx_request_result(r);
+}
+
+PyDoc_STRVAR(Request_cancel_doc,
+"cancel($self, /)\n--\n\n"
+"Cancel a pending receive in UCX; it then fails with UCXCanceledError.\n"
+"Returns False for sends and completed requests.");
+
+static PyObject *
+Request_cancel(RequestObject *r, PyObject *unused)
+{
+    if (r->status != UCS_INPROGRESS || r->kind == UCXX_REQ_SEND ||
+        r->kind == UCXX_REQ_GATHER_SEND || r->kind == UCXX_REQ_AM_SEND ||
+        r->kind == UCXX_REQ_CLOSE) {
+        Py_RETURN_FALSE;
+    }
+    ucxx_request_cancel_ucx(r, UCS_ERR_CANCELED);
+    ucxx_worker_dispatch(r->worker);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *
+Request_get_status(RequestObject *r, void *closure)
+{
+    return PyLong_FromLong(r->status);
+}
+
+static PyObject *
+Request_await(RequestObject *r)
+{
+    return Py_NewRef(r);
+}
+
+static PyObject *
+Request_repr(RequestObject *r)
+{
+    static const char *kinds[] = {"send", "recv", "stream_recv",
+                                  "gather_send", "gather_recv", "close",
+                                  "am_send", "am_recv", "am_data"};
+
+    return PyUnicode_FromFormat("<ucxx.Request %s %s>", kinds[r->kind],
+                                r->status == UCS_INPROGRESS ? "pending" :
+                                ucs_status_string(r->status));
+}
+
+static int
+Request_traverse(RequestObject *r, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(r));
+    Py_VISIT(r->worker);
+    Py_VISIT(r->endpoint);
+    Py_VISIT(r->result);
+    Py_VISIT(r->future);
+    for (Py_ssize_t i = 0; i < r->nbufs; i++) {
+        Py_VISIT(r->bufs[i].view.obj);
+        Py_VISIT(r->bufs[i].owner);
+    }
+    return 0;
+}
+
+static int
+Request_clear(RequestObject *r)
+{
+    /* While UCX holds an operation we hold ourselves: never cleared then. */
+    Py_CLEAR(r->result);
+    Py_CLEAR(r->future);
+    return 0;
+}
+
+static void
+Request_dealloc(RequestObject *r)
+{
+    PyTypeObject *tp = Py_TYPE(r);
+
+    PyObject_GC_UnTrack(r);
+    for (Py_ssize_t i = 0; i < r->nbufs; i++) {
+        ucxx_buf_release(&r->bufs[i]);
+    }
+    if (r->bufs != &r->buf1) {
+        PyMem_Free(r->bufs);
+    }
+    if (r->ops != &r->op1) {
+        PyMem_Free(r->ops);
+    }
+    ucxx_list_del(&r->wlink);
+    ucxx_list_del(&r->elink);
+    Request_clear(r);
+    Py_CLEAR(r->endpoint);
+    Py_CLEAR(r->worker);
+    PyObject_GC_Del(r);
+    Py_DECREF(tp);
+}
+
+static PyMethodDef Request_methods[] = {
+    {"send", (PyCFunction)Request_send, METH_O, Request_send_doc},
+    {"throw", (PyCFunction)(void (*)(void))Request_throw, METH_FASTCALL,
+     Request_throw_doc},
+    {"close", (PyCFunction)Request_close, METH_NOARGS, NULL},
+    {"done", (PyCFunction)Request_done, METH_NOARGS, Request_done_doc},
+    {"result", (PyCFunction)Request_result, METH_NOARGS, Request_result_doc},
+    {"cancel", (PyCFunction)Request_cancel, METH_NOARGS, Request_cancel_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Request_getset[] = {
+    {"status", (getter)Request_get_status, NULL,
+     "UCS status: 0 OK, 1 in progress, negative error.", NULL},
+    {NULL},
+};
+
+PyDoc_STRVAR(Request_doc,
+"The awaitable of one transfer. await returns the result (bytes received\n"
+"for receives, None for sends) or raises the typed UCXError.");
+
+static PyType_Slot Request_slots[] = {
+    {Py_tp_doc, (void *)Request_doc},
+    {Py_tp_dealloc, Request_dealloc},
+    {Py_tp_traverse, Request_traverse},
+    {Py_tp_clear, Request_clear},
+    {Py_tp_iter, PyObject_SelfIter},
+    {Py_tp_iternext, Request_iternext},
+    {Py_tp_methods, Request_methods},
+    {Py_tp_getset, Request_getset},
+    {Py_tp_repr, Request_repr},
+    {Py_am_await, Request_await},
+    {Py_am_send, Request_am_send},
+    {0, NULL},
+};
+
+PyType_Spec ucxx_request_spec = {
+    .name = "ucxx._ucxx.Request",
+    .basicsize = sizeof(RequestObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = Request_slots,
+};

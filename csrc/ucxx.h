@@ -1,0 +1,356 @@
+/*
+ * ucxx.h - private header of the C extension ucxx._ucxx.
+ *
+ * Every struct says, field by field, who owns what.  "strong" is a
+ * Python reference this object holds and releases in clear/dealloc;
+ * "borrowed" is a pointer kept valid by someone else (named); "native" is
+ * a UCX handle this object releases in close()/dealloc.
+ *
+ * Threading: everything runs on the thread of the event loop the worker is
+ * attached to, with the GIL held.  UCX callbacks (completions, peer errors,
+ * connection requests, active messages) only record facts in C fields and
+ * queue the object on the worker; ucxx_worker_dispatch() turns them into
+ * Python effects once ucp_worker_progress() has returned.
+ */
+#ifndef UCXX_H
+#define UCXX_H
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <ucp/api/ucp.h>
+
+#define UCXX_TAG_MASK_FULL ((ucp_tag_t)-1)
+
+/* Python 3.11 has no PyErr_{Get,Set}RaisedException. */
+static inline PyObject *
+PyErr_GetRaisedException_compat(void)
+{
+    PyObject *t, *v, *tb;
+
+    PyErr_Fetch(&t, &v, &tb);
+    if (t == NULL) {
+        return NULL;
+    }
+    PyErr_NormalizeException(&t, &v, &tb);
+    if (tb != NULL) {
+        PyException_SetTraceback(v, tb);
+    }
+    Py_XDECREF(t);
+    Py_XDECREF(tb);
+    return v;
+}
+
+static inline void
+PyErr_SetRaisedException_compat(PyObject *exc)
+{
+    PyErr_Restore(Py_NewRef((PyObject *)Py_TYPE(exc)), exc,
+                  PyException_GetTraceback(exc));
+}
+
+/* Exception classes, indexed; the table lives in status.c. */
+enum {
+    UCXX_EXC_BASE = 0,
+    UCXX_EXC_CANCELED,
+    UCXX_EXC_CLOSE,
+    UCXX_EXC_CONFIG,
+    UCXX_EXC_CONNECTION_RESET,
+    UCXX_EXC_TRUNCATED,
+    UCXX_EXC_NOT_CONNECTED,
+    UCXX_EXC_UNREACHABLE,
+    UCXX_EXC_TIMED_OUT,
+    UCXX_EXC_NO_MEMORY,
+    UCXX_EXC_NO_RESOURCE,
+    UCXX_EXC_INVALID_PARAM,
+    UCXX_EXC_BUSY,
+    UCXX_EXC_UNSUPPORTED,
+    UCXX_EXC_REJECTED,
+    UCXX_EXC_NO_DEVICE,
+    UCXX_EXC_EP_TIMEOUT,
+    UCXX_EXC_BUFFER_TOO_SMALL,
+    UCXX_EXC_COUNT
+};
+
+typedef struct {
+    PyTypeObject *ContextType;
+    PyTypeObject *WorkerType;
+    PyTypeObject *EndpointType;
+    PyTypeObject *ListenerType;
+    PyTypeObject *RequestType;
+    PyTypeObject *ProgressType;
+    PyObject *exc[UCXX_EXC_COUNT];     /* strong: exception classes */
+    PyObject *get_running_loop;        /* strong: asyncio.get_running_loop */
+    PyObject *CancelledError;          /* strong: asyncio.CancelledError */
+    PyObject *InvalidStateError;       /* strong: asyncio.InvalidStateError */
+    PyObject *ResourceWarning_;        /* borrowed: builtin */
+    /* interned method / attribute names */
+    PyObject *s_create_future;
+    PyObject *s_create_task;
+    PyObject *s_set_result;
+    PyObject *s_set_exception;
+    PyObject *s_call_soon;
+    PyObject *s_add_reader;
+    PyObject *s_remove_reader;
+    PyObject *s_is_closed;
+    PyObject *s_done;
+    PyObject *s_cancel;
+    PyObject *s_blocking;              /* "_asyncio_future_blocking" */
+} ucxx_state;
+
+typedef struct WorkerObject WorkerObject;
+typedef struct EndpointObject EndpointObject;
+typedef struct RequestObject RequestObject;
+
+/* Intrusive doubly linked list (ring with a sentinel head). */
+typedef struct ucxx_link {
+    struct ucxx_link *prev, *next;
+} ucxx_link;
+
+static inline void ucxx_list_init(ucxx_link *h) { h->prev = h->next = h; }
+static inline int ucxx_list_empty(const ucxx_link *h) { return h->next == h; }
+static inline void ucxx_list_add_tail(ucxx_link *h, ucxx_link *n)
+{
+    n->prev = h->prev;
+    n->next = h;
+    h->prev->next = n;
+    h->prev = n;
+}
+static inline void ucxx_list_del(ucxx_link *n)
+{
+    n->prev->next = n->next;
+    n->next->prev = n->prev;
+    n->prev = n->next = n;
+}
+#define UCXX_CONTAINER(ptr, type, field) \
+    ((type *)((char *)(ptr) - offsetof(type, field)))
+
+/* A buffer handed to UCX: host (Py_buffer) or device (CUDA interface). */
+typedef struct {
+    void *ptr;                   /* borrowed from the exporter */
+    size_t len;
+    ucs_memory_type_t mem_type;
+    Py_buffer view;              /* host: released by ucxx_buf_release */
+    PyObject *owner;             /* device: strong, the exporting object */
+} ucxx_buf;
+
+/* Context: wraps ucp_context_h.  Owns the context; closed by close() or
+ * dealloc once no worker uses it (workers hold a strong reference). */
+typedef struct {
+    PyObject_HEAD
+    ucp_context_h handle;        /* native, NULL once closed */
+    PyObject *config;            /* strong: dict of the effective config */
+    uint64_t features;
+    Py_ssize_t nworkers;         /* open workers created on this context */
+    PyObject *weakreflist;
+} ContextObject;
+
+enum { UCXX_MODE_BLOCKING = 0, UCXX_MODE_POLLING = 1 };
+
+/* Worker: wraps ucp_worker_h and drives it from one event loop at a time. */
+struct WorkerObject {
+    PyObject_HEAD
+    ucp_worker_h handle;         /* native, NULL once closed */
+    ContextObject *context;      /* strong */
+    int efd;                     /* owned by UCX; -1 without WAKEUP */
+    int mode;                    /* UCXX_MODE_* */
+    double spin_us;              /* await spin budget */
+    int armed;                   /* ucp_worker_arm succeeded, no UCX call since */
+    int rearm_scheduled;         /* a rearm callback is in loop's ready queue */
+    int dispatching;             /* re-entrancy guard for dispatch */
+    unsigned long thread_id;     /* loop thread, valid while loop != NULL */
+    PyObject *loop;              /* strong: attached event loop or NULL */
+    PyObject *task;              /* strong: the progress Task on loop */
+    PyObject *coro;              /* strong: the ProgressCoroutine */
+    PyObject *waiter;            /* strong: future the coroutine waits on */
+    PyObject *rearm_cb;          /* strong: bound method _rearm (cycle via self,
+                                    broken in clear) */
+    ucxx_link pending;           /* RequestObject.wlink: requests UCX holds */
+    ucxx_link endpoints;         /* EndpointObject.wlink: borrowed, open eps */
+    ucxx_link listeners;         /* ListenerObject.wlink: borrowed */
+    RequestObject *done_head;    /* completed, awaiting dispatch (borrowed:
+                                    each holds its own self reference) */
+    RequestObject *done_tail;
+    ucxx_link errored;           /* EndpointObject.elink: peer errors to report */
+    ucxx_link conn_ready;        /* ListenerObject.clink: conn requests queued */
+    PyObject *am_allocators;     /* strong: dict mem_type -> callable */
+    int am_registered;           /* AM handler installed */
+    ucxx_link am_ready;          /* EndpointObject.alink: AM data to deliver */
+    PyObject *weakreflist;
+};
+
+/* One UCX operation inside a Request (a Request has 1, or N for gathers). */
+typedef struct {
+    RequestObject *req;          /* borrowed: the owning request */
+    void *ucp_req;               /* native while pending; freed in callback */
+    size_t expected;             /* buffer length (receives) */
+} ucxx_op;
+
+enum {
+    UCXX_REQ_SEND = 0,
+    UCXX_REQ_RECV,
+    UCXX_REQ_STREAM_RECV,
+    UCXX_REQ_GATHER_SEND,
+    UCXX_REQ_GATHER_RECV,
+    UCXX_REQ_CLOSE,
+    UCXX_REQ_AM_SEND,
+    UCXX_REQ_AM_RECV,
+    UCXX_REQ_AM_DATA
+};
+
+/* Request: the awaitable of one transfer or one gather. */
+struct RequestObject {
+    PyObject_HEAD
+    WorkerObject *worker;        /* strong */
+    EndpointObject *endpoint;    /* strong, or NULL (worker-level recv) */
+    int kind;                    /* UCXX_REQ_* */
+    ucs_status_t status;         /* UCS_INPROGRESS until dispatched */
+    ucs_status_t first_error;    /* first failing sub-op, UCS_OK if none */
+    ucs_status_t fail_status;    /* reported instead of CANCELED (peer error) */
+    Py_ssize_t npending;         /* ops UCX still holds */
+    Py_ssize_t nops;
+    int posting;                 /* ops still being posted: do not queue */
+    size_t length;               /* bytes received (single receive) */
+    int queued;                  /* on worker's done list */
+    int self_ref;                /* holds a reference to itself for UCX */
+    ucxx_op op1;                 /* inline op for the common case */
+    ucxx_op *ops;                /* op1 or PyMem array (gathers) */
+    ucxx_buf buf1;
+    ucxx_buf *bufs;              /* buf1 or PyMem array (gathers) */
+    Py_ssize_t nbufs;            /* buffers to release on completion */
+    PyObject *result;            /* strong: am_recv result object */
+    PyObject *future;            /* strong: asyncio future, on first await */
+    RequestObject *next_done;    /* worker done list */
+    ucxx_link wlink;             /* worker->pending while UCX holds it */
+    ucxx_link elink;             /* endpoint->am_waiters (AM_RECV) */
+};
+
+/* Endpoint: wraps ucp_ep_h. Closed by close()/abort()/worker close/dealloc. */
+struct EndpointObject {
+    PyObject_HEAD
+    ucp_ep_h handle;             /* native, NULL once closed or failed */
+    WorkerObject *worker;        /* strong */
+    ucp_tag_t send_tag;
+    ucp_tag_t recv_tag;
+    int error_handling;
+    int closed;                  /* close()/abort() was called */
+    int err_queued;              /* on worker->errored */
+    ucs_status_t error;          /* peer error status, UCS_OK if none */
+    int close_cb_done;           /* close callback already scheduled */
+    PyObject *close_cb;          /* strong */
+    PyObject *close_req;         /* strong: the Request of a graceful close */
+    uint64_t uid;
+    ucxx_link wlink;             /* worker->endpoints */
+    ucxx_link elink;             /* worker->errored */
+    ucxx_link alink;             /* worker->am_ready */
+    ucxx_link am_waiters;        /* RequestObject.elink: pending am_recv */
+    PyObject *am_queue;          /* strong: list of received AM objects */
+    void *am_raw;                /* queued raw AM messages (am.c) */
+    PyObject *weakreflist;
+};
+
+/* Listener: wraps ucp_listener_h. */
+typedef struct {
+    PyObject_HEAD
+    ucp_listener_h handle;       /* native, NULL once closed */
+    WorkerObject *worker;        /* strong */
+    PyObject *callback;          /* strong */
+    int error_handling;
+    int port;
+    char ip[64];
+    ucp_conn_request_h *conns;   /* PyMem array of queued conn requests */
+    size_t nconns, cap;
+    int conn_queued;             /* on worker->conn_ready */
+    ucxx_link wlink;             /* worker->listeners */
+    ucxx_link clink;             /* worker->conn_ready */
+    PyObject *weakreflist;
+} ListenerObject;
+
+/* module.c */
+ucxx_state *ucxx_state_of(PyObject *obj);
+ucxx_state *ucxx_state_from_type(PyTypeObject *tp);
+extern PyModuleDef ucxx_module_def;
+
+/* status.c: the one place a ucs_status_t becomes a Python exception */
+PyObject *ucxx_status_exc(ucxx_state *st, ucs_status_t status,
+                          const char *what);
+PyObject *ucxx_raise_status(ucxx_state *st, ucs_status_t status,
+                            const char *what);
+PyObject *ucxx_raise(ucxx_state *st, int exc, const char *fmt, ...);
+int ucxx_status_init(PyObject *module, ucxx_state *st);
+
+/* buffer.c */
+int ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b);
+void ucxx_buf_release(ucxx_buf *b);
+int ucxx_tag_from_obj(PyObject *obj, ucp_tag_t *tag);
+
+/* context.c */
+extern PyType_Spec ucxx_context_spec;
+PyObject *ucxx_get_config(PyObject *module, PyObject *args, PyObject *kw);
+int ucxx_config_apply(ucxx_state *st, ucp_config_t *config, PyObject *opts,
+                      int env_takes_precedence);
+PyObject *ucxx_config_to_dict(const ucp_config_t *config);
+
+/* worker.c */
+extern PyType_Spec ucxx_worker_spec;
+int ucxx_worker_check(WorkerObject *w);
+void ucxx_worker_touched(WorkerObject *w);
+int ucxx_worker_dispatch(WorkerObject *w);
+unsigned ucxx_worker_drain(WorkerObject *w, unsigned budget);
+int ucxx_worker_arm(WorkerObject *w);
+int ucxx_worker_attach(WorkerObject *w, PyObject *loop);
+void ucxx_worker_detach(WorkerObject *w);
+void ucxx_worker_queue_done(WorkerObject *w, RequestObject *r);
+int ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg);
+
+/* progress.c */
+extern PyType_Spec ucxx_progress_spec;
+PyObject *ucxx_progress_new(WorkerObject *w, PyObject *loop);
+
+/* request.c */
+extern PyType_Spec ucxx_request_spec;
+RequestObject *ucxx_request_new(WorkerObject *w, EndpointObject *ep,
+                                int kind, Py_ssize_t nops);
+int ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp);
+void ucxx_request_finish_posting(RequestObject *r);
+void ucxx_request_dispatch(RequestObject *r);
+void ucxx_request_fail_now(RequestObject *r, ucs_status_t status);
+void ucxx_request_cancel_ucx(RequestObject *r, ucs_status_t report);
+PyObject *ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep,
+                                 PyObject *buf, ucp_tag_t tag, ucp_tag_t mask);
+PyObject *ucxx_request_post_send(EndpointObject *ep, PyObject *buf,
+                                 ucp_tag_t tag);
+PyObject *ucxx_request_post_stream(EndpointObject *ep, PyObject *buf,
+                                   int recv);
+PyObject *ucxx_request_result(RequestObject *r);
+void ucxx_send_cb(void *request, ucs_status_t status, void *user_data);
+void ucxx_recv_cb(void *request, ucs_status_t status,
+                  const ucp_tag_recv_info_t *info, void *user_data);
+void ucxx_stream_recv_cb(void *request, ucs_status_t status, size_t length,
+                         void *user_data);
+
+/* endpoint.c */
+extern PyType_Spec ucxx_endpoint_spec;
+EndpointObject *ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
+                                  int error_handling);
+void ucxx_endpoint_report_error(EndpointObject *ep);
+void ucxx_endpoint_abort_now(EndpointObject *ep, ucs_status_t report);
+
+/* gather.c */
+PyObject *ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag,
+                      int recv);
+
+/* am.c */
+int ucxx_am_setup(WorkerObject *w);
+void ucxx_am_deliver(EndpointObject *ep);
+void ucxx_am_discard(EndpointObject *ep);
+PyObject *ucxx_am_send(EndpointObject *ep, PyObject *buf);
+PyObject *ucxx_am_recv(EndpointObject *ep);
+
+/* listener.c */
+extern PyType_Spec ucxx_listener_spec;
+PyObject *ucxx_listener_create(WorkerObject *w, PyObject *cb, int port,
+                               const char *host, int error_handling);
+void ucxx_listener_deliver(ListenerObject *l);
+void ucxx_listener_close_now(ListenerObject *l);
+
+#endif /* UCXX_H */

@@ -1,0 +1,1082 @@
+/*
+ * worker.c - Worker wraps ucp_worker_h (thread mode SINGLE) and drives it
+ * from one event loop at a time.  Owns the worker handle, the event-fd
+ * reader on the attached loop and the progress Task; close() (or dealloc)
+ * cancels what is pending, closes endpoints and listeners, destroys it.
+ *
+ * The progress invariant (DESIGN.md): once ucp_worker_arm() succeeded the
+ * loop may sleep on the event fd; any UCX call made after that must be
+ * followed by a drain + re-arm before the loop polls again.  Every entry
+ * point calls ucxx_worker_touched() after its UCX call, which clears
+ * `armed` and queues the _rearm callback (loop.call_soon: it runs before
+ * the loop's next blocking poll).  An await that is about to suspend
+ * re-arms inline instead.
+ */
+#include "ucxx.h"
+#include <unistd.h>
+
+/* Progress calls per drain before yielding to the loop. */
+#define UCXX_DRAIN_BUDGET 1024
+#define UCXX_DEFAULT_POLL_SPIN_US 0.0
+
+static void
+unraisable(PyObject *obj)
+{
+    if (PyErr_Occurred()) {
+        PyErr_WriteUnraisable(obj);
+    }
+}
+
+void
+ucxx_worker_queue_done(WorkerObject *w, RequestObject *r)
+{
+    if (r->queued) {
+        return;
+    }
+    r->queued = 1;
+    r->next_done = NULL;
+    if (w->done_tail != NULL) {
+        w->done_tail->next_done = r;
+    } else {
+        w->done_head = r;
+    }
+    w->done_tail = r;
+}
+
+/* Turn what UCX callbacks recorded into Python effects.  Never raises. */
+int
+ucxx_worker_dispatch(WorkerObject *w)
+{
+    int n = 0;
+
+    if (w->dispatching) {
+        return 0;
+    }
+    w->dispatching = 1;
+    for (;;) {
+        if (w->done_head != NULL) {
+            RequestObject *r = w->done_head;
+
+            w->done_head = r->next_done;
+            if (w->done_head == NULL) {
+                w->done_tail = NULL;
+            }
+            r->queued = 0;
+            r->next_done = NULL;
+            ucxx_request_dispatch(r);
+            n++;
+        } else if (!ucxx_list_empty(&w->errored)) {
+            EndpointObject *ep = UCXX_CONTAINER(w->errored.next,
+                                                EndpointObject, elink);
+            ucxx_list_del(&ep->elink);
+            ep->err_queued = 0;
+            ucxx_endpoint_report_error(ep);
+        } else if (!ucxx_list_empty(&w->conn_ready)) {
+            ListenerObject *l = UCXX_CONTAINER(w->conn_ready.next,
+                                               ListenerObject, clink);
+            ucxx_list_del(&l->clink);
+            l->conn_queued = 0;
+            ucxx_listener_deliver(l);
+        } else if (!ucxx_list_empty(&w->am_ready)) {
+            EndpointObject *ep = UCXX_CONTAINER(w->am_ready.next,
+                                                EndpointObject, alink);
+            ucxx_list_del(&ep->alink);
+            ucxx_am_deliver(ep);
+        } else {
+            break;
+        }
+    }
+    w->dispatching = 0;
+    return n;
+}
+
+/* Progress until idle or budget spent; returns 1 if work may remain. */
+unsigned
+ucxx_worker_drain(WorkerObject *w, unsigned budget)
+{
+    unsigned n = 0;
+
+    w->armed = 0;
+    while (ucp_worker_progress(w->handle) != 0) {
+        if (++n >= budget) {
+            ucxx_worker_dispatch(w);
+            return 1;
+        }
+    }
+    ucxx_worker_dispatch(w);
+    return 0;
+}
+
+/* DRAIN + ARM.  0: armed; 1: budget spent, call again; -1: error set. */
+int
+ucxx_worker_arm(WorkerObject *w)
+{
+    ucs_status_t status;
+
+    for (int i = 0; i < 64; i++) {
+        if (ucxx_worker_drain(w, UCXX_DRAIN_BUDGET)) {
+            return 1;
+        }
+        status = ucp_worker_arm(w->handle);
+        if (status == UCS_OK) {
+            w->armed = 1;
+            return 0;
+        }
+        if (status != UCS_ERR_BUSY) {
+            ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+                              "ucp_worker_arm");
+            return -1;
+        }
+    }
+    return 1;
+}
+
+int
+ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    PyObject *args[3] = {w->loop, cb, arg};
+    PyObject *res;
+
+    if (w->loop == NULL) {
+        res = arg ? PyObject_CallOneArg(cb, arg) : PyObject_CallNoArgs(cb);
+    } else {
+        res = PyObject_VectorcallMethod(st->s_call_soon, args,
+                                        (arg ? 3 : 2) |
+                                        PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+    }
+    if (res == NULL) {
+        return -1;
+    }
+    Py_DECREF(res);
+    return 0;
+}
+
+static void
+schedule_rearm(WorkerObject *w)
+{
+    if (w->rearm_scheduled || w->loop == NULL) {
+        return;
+    }
+    if (ucxx_call_soon(w, w->rearm_cb, NULL) < 0) {
+        /* The loop is closed: nobody will poll the fd any more. */
+        PyErr_Clear();
+        return;
+    }
+    w->rearm_scheduled = 1;
+}
+
+void
+ucxx_worker_touched(WorkerObject *w)
+{
+    if (w->armed) {
+        w->armed = 0;
+        if (w->mode == UCXX_MODE_BLOCKING) {
+            schedule_rearm(w);
+        }
+    }
+}
+
+/* Drain and arm from the loop; reschedule if the drain budget ran out. */
+static void
+worker_service(WorkerObject *w)
+{
+    int rc;
+
+    if (w->handle == NULL) {
+        return;
+    }
+    rc = ucxx_worker_arm(w);
+    if (rc < 0) {
+        unraisable((PyObject *)w);
+    } else if (rc == 1) {
+        schedule_rearm(w);
+    }
+}
+
+PyDoc_STRVAR(Worker_on_efd_doc,
+"_on_efd($self, /)\n--\n\nEvent-fd reader: drain and re-arm.");
+
+static PyObject *
+Worker_on_efd(WorkerObject *w, PyObject *unused)
+{
+    w->armed = 0;
+    worker_service(w);
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Worker_rearm_doc,
+"_rearm($self, /)\n--\n\nScheduled after a UCX call on an armed worker.");
+
+static PyObject *
+Worker_rearm(WorkerObject *w, PyObject *unused)
+{
+    w->rearm_scheduled = 0;
+    if (!w->armed) {
+        worker_service(w);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- loop attachment ---------------------------------------------------- */
+
+static int
+loop_is_closed(ucxx_state *st, PyObject *loop)
+{
+    PyObject *res = PyObject_CallMethodNoArgs(loop, st->s_is_closed);
+    int closed;
+
+    if (res == NULL) {
+        PyErr_Clear();
+        return 1;
+    }
+    closed = PyObject_IsTrue(res);
+    Py_DECREF(res);
+    return closed;
+}
+
+/* Leave the current loop: remove the reader, let the progress task end. */
+void
+ucxx_worker_detach(WorkerObject *w)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    PyObject *loop = w->loop, *task = w->task, *waiter = w->waiter, *res;
+    int closed;
+
+    if (loop == NULL) {
+        return;
+    }
+    w->loop = NULL;
+    w->task = NULL;
+    w->waiter = NULL;
+    Py_CLEAR(w->coro);
+    w->armed = 0;
+    w->rearm_scheduled = 0;
+    closed = loop_is_closed(st, loop);
+    if (!closed && w->mode == UCXX_MODE_BLOCKING && w->efd >= 0) {
+        res = PyObject_CallMethod(loop, "remove_reader", "i", w->efd);
+        Py_XDECREF(res);
+        PyErr_Clear();
+    }
+    if (task != NULL) {
+        /* The coroutine sees it is detached and returns on its next step;
+         * a task that will never run again must not log at collection. */
+        if (PyObject_SetAttrString(task, "_log_destroy_pending",
+                                   Py_False) < 0) {
+            PyErr_Clear();
+        }
+    }
+    if (waiter != NULL && !closed) {
+        res = PyObject_CallMethodNoArgs(waiter, st->s_done);
+        if (res == Py_False) {
+            Py_DECREF(res);
+            res = PyObject_CallMethodOneArg(waiter, st->s_set_result, Py_None);
+        }
+        Py_XDECREF(res);
+        PyErr_Clear();
+    }
+    Py_XDECREF(waiter);
+    Py_XDECREF(task);
+    Py_DECREF(loop);
+}
+
+int
+ucxx_worker_attach(WorkerObject *w, PyObject *loop)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    PyObject *res, *coro = NULL;
+
+    if (w->loop == loop) {
+        return 0;
+    }
+    if (w->handle == NULL) {
+        ucxx_raise(st, UCXX_EXC_CLOSE, "Worker is closed");
+        return -1;
+    }
+    ucxx_worker_detach(w);
+    w->loop = Py_NewRef(loop);
+    w->thread_id = PyThread_get_thread_ident();
+    if (w->mode == UCXX_MODE_BLOCKING) {
+        PyObject *on_efd = PyObject_GetAttrString((PyObject *)w, "_on_efd");
+
+        if (on_efd == NULL) {
+            goto error;
+        }
+        res = PyObject_CallMethod(loop, "add_reader", "iO", w->efd, on_efd);
+        Py_DECREF(on_efd);
+        if (res == NULL) {
+            goto error;
+        }
+        Py_DECREF(res);
+    }
+    coro = ucxx_progress_new(w, loop);
+    if (coro == NULL) {
+        goto error;
+    }
+    w->coro = Py_NewRef(coro);
+    w->task = PyObject_CallMethodOneArg(loop, st->s_create_task, coro);
+    Py_DECREF(coro);
+    if (w->task == NULL) {
+        goto error;
+    }
+    return 0;
+
+error:
+    {
+        PyObject *exc = PyErr_GetRaisedException_compat();
+        ucxx_worker_detach(w);
+        PyErr_SetRaisedException_compat(exc);
+    }
+    return -1;
+}
+
+/* Entry-point check: open, and used from the loop's thread. */
+int
+ucxx_worker_check(WorkerObject *w)
+{
+    if (w->handle == NULL) {
+        ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+                   "Worker is closed");
+        return -1;
+    }
+    if (w->loop != NULL && PyThread_get_thread_ident() != w->thread_id) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "ucxx objects must be used from the thread of the "
+                        "event loop driving their worker");
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- construction ------------------------------------------------------- */
+
+static int
+parse_mode(PyObject *mode_obj, int *mode)
+{
+    const char *m;
+
+    if (mode_obj == NULL || mode_obj == Py_None) {
+        *mode = UCXX_MODE_BLOCKING;
+        return 0;
+    }
+    m = PyUnicode_Check(mode_obj) ? PyUnicode_AsUTF8(mode_obj) : NULL;
+    if (m != NULL && strcmp(m, "blocking") == 0) {
+        *mode = UCXX_MODE_BLOCKING;
+    } else if (m != NULL && strcmp(m, "polling") == 0) {
+        *mode = UCXX_MODE_POLLING;
+    } else {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError,
+                     "unknown progress mode %R (expected 'blocking' or "
+                     "'polling')", mode_obj);
+        return -1;
+    }
+    return 0;
+}
+
+static int
+set_spin(WorkerObject *w, PyObject *v)
+{
+    double d;
+
+    if (v == NULL || v == Py_None) {
+        w->spin_us = w->mode == UCXX_MODE_POLLING ? UCXX_DEFAULT_POLL_SPIN_US
+                                                  : 0.0;
+        return 0;
+    }
+    d = PyFloat_AsDouble(v);
+    if (d == -1.0 && PyErr_Occurred()) {
+        return -1;
+    }
+    if (d < 0 || d > 1e7) {
+        PyErr_Format(PyExc_ValueError, "spin_us must be in [0, 1e7], got %R",
+                     v);
+        return -1;
+    }
+    w->spin_us = d;
+    return 0;
+}
+
+static PyObject *
+Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"context", "progress_mode", "spin_us", NULL};
+    ucxx_state *st = ucxx_state_from_type(type);
+    PyObject *ctx, *mode_obj = Py_None, *spin = Py_None;
+    ucp_worker_params_t params = {0};
+    ucs_status_t status;
+    WorkerObject *w;
+    int mode;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|OO:Worker", kwlist,
+                                     st->ContextType, &ctx, &mode_obj,
+                                     &spin)) {
+        return NULL;
+    }
+    if (((ContextObject *)ctx)->handle == NULL) {
+        return ucxx_raise(st, UCXX_EXC_CLOSE, "Context is closed");
+    }
+    if (parse_mode(mode_obj, &mode) < 0) {
+        return NULL;
+    }
+    w = (WorkerObject *)type->tp_alloc(type, 0);
+    if (w == NULL) {
+        return NULL;
+    }
+    w->efd = -1;
+    w->mode = mode;
+    ucxx_list_init(&w->pending);
+    ucxx_list_init(&w->endpoints);
+    ucxx_list_init(&w->listeners);
+    ucxx_list_init(&w->errored);
+    ucxx_list_init(&w->conn_ready);
+    ucxx_list_init(&w->am_ready);
+    if (set_spin(w, spin) < 0) {
+        Py_DECREF(w);
+        return NULL;
+    }
+    w->context = (ContextObject *)Py_NewRef(ctx);
+    w->rearm_cb = PyObject_GetAttrString((PyObject *)w, "_rearm");
+    w->am_allocators = PyDict_New();
+    if (w->rearm_cb == NULL || w->am_allocators == NULL) {
+        Py_DECREF(w);
+        return NULL;
+    }
+    params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
+    params.thread_mode = UCS_THREAD_MODE_SINGLE;
+    status = ucp_worker_create(w->context->handle, &params, &w->handle);
+    if (status != UCS_OK) {
+        w->handle = NULL;
+        Py_DECREF(w);
+        return ucxx_raise_status(st, status, "ucp_worker_create");
+    }
+    w->context->nworkers++;
+    if (w->context->features & UCP_FEATURE_WAKEUP) {
+        status = ucp_worker_get_efd(w->handle, &w->efd);
+        if (status != UCS_OK) {
+            Py_DECREF(w);
+            return ucxx_raise_status(st, status, "ucp_worker_get_efd");
+        }
+    } else if (mode == UCXX_MODE_BLOCKING) {
+        Py_DECREF(w);
+        PyErr_SetString(PyExc_ValueError,
+                        "blocking progress mode needs FEATURE_WAKEUP");
+        return NULL;
+    }
+    if ((w->context->features & UCP_FEATURE_AM) && ucxx_am_setup(w) < 0) {
+        Py_DECREF(w);
+        return NULL;
+    }
+    return (PyObject *)w;
+}
+
+/* ---- close -------------------------------------------------------------- */
+
+static void
+worker_close_now(WorkerObject *w)
+{
+    ucxx_link *it;
+    int rounds;
+
+    if (w->handle == NULL) {
+        return;
+    }
+    /* Listeners first (no new endpoints), then endpoints (their sends fail
+     * with UCX errors), then whatever is still pending. */
+    while (!ucxx_list_empty(&w->listeners)) {
+        ListenerObject *l = UCXX_CONTAINER(w->listeners.next, ListenerObject,
+                                           wlink);
+        ucxx_listener_close_now(l);
+    }
+    while (!ucxx_list_empty(&w->endpoints)) {
+        EndpointObject *ep = UCXX_CONTAINER(w->endpoints.next, EndpointObject,
+                                            wlink);
+        ucxx_endpoint_abort_now(ep, UCS_ERR_CANCELED);
+    }
+    for (it = w->pending.next; it != &w->pending; it = it->next) {
+        RequestObject *r = UCXX_CONTAINER(it, RequestObject, wlink);
+        for (Py_ssize_t i = 0; i < r->nops; i++) {
+            if (r->ops[i].ucp_req != NULL) {
+                ucp_request_cancel(w->handle, r->ops[i].ucp_req);
+            }
+        }
+    }
+    for (rounds = 0; rounds < 1000 && !ucxx_list_empty(&w->pending);
+         rounds++) {
+        ucp_worker_progress(w->handle);
+        ucxx_worker_dispatch(w);
+    }
+    /* Whatever UCX still holds dies with the worker: complete it here. */
+    while (!ucxx_list_empty(&w->pending)) {
+        RequestObject *r = UCXX_CONTAINER(w->pending.next, RequestObject,
+                                          wlink);
+        for (Py_ssize_t i = 0; i < r->nops; i++) {
+            if (r->ops[i].ucp_req != NULL) {
+                r->ops[i].ucp_req = NULL;
+                r->npending--;
+            }
+        }
+        if (r->first_error == UCS_OK) {
+            r->first_error = UCS_ERR_CANCELED;
+        }
+        ucxx_request_dispatch(r);
+    }
+    ucxx_worker_dispatch(w);
+    ucxx_worker_detach(w);
+    ucp_worker_destroy(w->handle);
+    w->handle = NULL;
+    w->efd = -1;
+    w->context->nworkers--;
+}
+
+PyDoc_STRVAR(Worker_close_doc,
+"close($self, /)\n--\n\n"
+"Close listeners and endpoints, fail pending requests with\n"
+"UCXCanceledError, remove the reader, end the progress task and destroy\n"
+"the worker. Idempotent.");
+
+static PyObject *
+Worker_close(WorkerObject *w, PyObject *unused)
+{
+    worker_close_now(w);
+    Py_RETURN_NONE;
+}
+
+/* ---- methods ------------------------------------------------------------ */
+
+PyDoc_STRVAR(Worker_progress_doc,
+"progress($self, /)\n--\n\n"
+"One ucp_worker_progress (GIL released), then deliver its completions.\n"
+"Returns the UCX count.");
+
+static PyObject *
+Worker_progress(WorkerObject *w, PyObject *unused)
+{
+    unsigned n;
+
+    if (ucxx_worker_check(w) < 0) {
+        return NULL;
+    }
+    ucxx_worker_touched(w);
+    Py_BEGIN_ALLOW_THREADS
+    n = ucp_worker_progress(w->handle);
+    Py_END_ALLOW_THREADS
+    ucxx_worker_dispatch(w);
+    return PyLong_FromUnsignedLong(n);
+}
+
+PyDoc_STRVAR(Worker_arm_doc,
+"arm($self, /)\n--\n\n"
+"ucp_worker_arm: True if armed, False if busy (progress again).");
+
+static PyObject *
+Worker_arm(WorkerObject *w, PyObject *unused)
+{
+    ucs_status_t status;
+
+    if (ucxx_worker_check(w) < 0) {
+        return NULL;
+    }
+    status = ucp_worker_arm(w->handle);
+    if (status == UCS_ERR_BUSY) {
+        Py_RETURN_FALSE;
+    }
+    if (status != UCS_OK) {
+        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+                                 "ucp_worker_arm");
+    }
+    Py_RETURN_TRUE;
+}
+
+PyDoc_STRVAR(Worker_signal_doc,
+"signal($self, /)\n--\n\nucp_worker_signal: wake a thread waiting on efd.");
+
+static PyObject *
+Worker_signal(WorkerObject *w, PyObject *unused)
+{
+    ucs_status_t status;
+
+    if (w->handle == NULL) {
+        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+                          "Worker is closed");
+    }
+    status = ucp_worker_signal(w->handle);
+    if (status != UCS_OK) {
+        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+                                 "ucp_worker_signal");
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Worker_info_doc,
+"info($self, /)\n--\n\nucp_worker_print_info as a string.");
+
+static PyObject *
+Worker_info(WorkerObject *w, PyObject *unused)
+{
+    char *text = NULL;
+    size_t size = 0;
+    FILE *f;
+    PyObject *s;
+
+    if (ucxx_worker_check(w) < 0) {
+        return NULL;
+    }
+    f = open_memstream(&text, &size);
+    if (f == NULL) {
+        return PyErr_SetFromErrno(PyExc_OSError);
+    }
+    ucp_worker_print_info(w->handle, f);
+    fclose(f);
+    s = PyUnicode_DecodeUTF8(text, size, "replace");
+    free(text);
+    return s;
+}
+
+PyDoc_STRVAR(Worker_start_doc,
+"start($self, loop, /)\n--\n\n"
+"Attach to loop: register the event-fd reader (blocking mode) and start\n"
+"the progress coroutine in a Task. Idempotent per loop; returns the Task.");
+
+static PyObject *
+Worker_start(WorkerObject *w, PyObject *loop)
+{
+    if (w->handle == NULL) {
+        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+                          "Worker is closed");
+    }
+    if (ucxx_worker_attach(w, loop) < 0) {
+        return NULL;
+    }
+    return Py_NewRef(w->task);
+}
+
+PyDoc_STRVAR(Worker_stop_doc,
+"stop($self, /)\n--\n\nDetach from the current loop.");
+
+static PyObject *
+Worker_stop(WorkerObject *w, PyObject *unused)
+{
+    ucxx_worker_detach(w);
+    Py_RETURN_NONE;
+}
+
+static int
+parse_buf_tag_mask(PyObject *const *args, Py_ssize_t nargs, const char *name,
+                   ucp_tag_t *tag, ucp_tag_t *mask)
+{
+    if (nargs < 2 || nargs > 3) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 2 or 3 arguments (%zd given)",
+                     name, nargs);
+        return -1;
+    }
+    if (ucxx_tag_from_obj(args[1], tag) < 0) {
+        return -1;
+    }
+    *mask = UCXX_TAG_MASK_FULL;
+    if (nargs == 3 && ucxx_tag_from_obj(args[2], mask) < 0) {
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(Worker_tag_recv_doc,
+"tag_recv($self, buf, tag, mask=0xFFFFFFFFFFFFFFFF, /)\n--\n\n"
+"Receive into a writable C-contiguous buffer from any endpoint.");
+
+static PyObject *
+Worker_tag_recv(WorkerObject *w, PyObject *const *args, Py_ssize_t nargs)
+{
+    ucp_tag_t tag, mask;
+
+    if (ucxx_worker_check(w) < 0 ||
+        parse_buf_tag_mask(args, nargs, "tag_recv", &tag, &mask) < 0) {
+        return NULL;
+    }
+    return ucxx_request_post_recv(w, NULL, args[0], tag, mask);
+}
+
+PyDoc_STRVAR(Worker_ep_from_address_doc,
+"ep_from_address($self, address, error_handling=True)\n--\n\n"
+"Endpoint to the worker whose UCX address is given (no handshake).");
+
+static PyObject *
+Worker_ep_from_address(WorkerObject *w, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"address", "error_handling", NULL};
+    Py_buffer addr;
+    int eh = 1;
+    ucp_ep_params_t params = {0};
+    PyObject *ep;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "y*|p:ep_from_address", kwlist,
+                                     &addr, &eh)) {
+        return NULL;
+    }
+    if (ucxx_worker_check(w) < 0) {
+        PyBuffer_Release(&addr);
+        return NULL;
+    }
+    if (addr.len < 8) {
+        PyBuffer_Release(&addr);
+        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CONFIG,
+                          "invalid UCX worker address (%zd bytes)", addr.len);
+    }
+    params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
+    params.address = addr.buf;
+    ep = (PyObject *)ucxx_endpoint_new(w, &params, eh);
+    PyBuffer_Release(&addr);
+    return ep;
+}
+
+PyDoc_STRVAR(Worker_ep_from_sockaddr_doc,
+"ep_from_sockaddr($self, host, port, error_handling=True)\n--\n\n"
+"Client endpoint to a listener at host:port (no handshake at this level).");
+
+static PyObject *
+Worker_ep_from_sockaddr(WorkerObject *w, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"host", "port", "error_handling", NULL};
+    const char *host;
+    int port, eh = 1, rc;
+    ucp_ep_params_t params = {0};
+    struct addrinfo hints = {0}, *res = NULL;
+    char portstr[16];
+    PyObject *ep;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "si|p:ep_from_sockaddr", kwlist,
+                                     &host, &port, &eh)) {
+        return NULL;
+    }
+    if (ucxx_worker_check(w) < 0) {
+        return NULL;
+    }
+    if (port <= 0 || port > 65535) {
+        PyErr_Format(PyExc_ValueError, "port must be in 1..65535, got %d",
+                     port);
+        return NULL;
+    }
+    snprintf(portstr, sizeof(portstr), "%d", port);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    Py_BEGIN_ALLOW_THREADS
+    rc = getaddrinfo(host, portstr, &hints, &res);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_Format(PyExc_ValueError, "cannot resolve address %R: %s",
+                     PyTuple_GET_ITEM(args, 0), gai_strerror(rc));
+        return NULL;
+    }
+    params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;
+    params.flags = UCP_EP_PARAMS_FLAGS_CLIENT_SERVER;
+    params.sockaddr.addr = res->ai_addr;
+    params.sockaddr.addrlen = res->ai_addrlen;
+    ep = (PyObject *)ucxx_endpoint_new(w, &params, eh);
+    freeaddrinfo(res);
+    return ep;
+}
+
+PyDoc_STRVAR(Worker_listen_doc,
+"listen($self, callback, port=0, host=None, error_handling=True)\n--\n\n"
+"ucp_listener_create; callback(endpoint) is called from the event loop for\n"
+"each accepted connection.");
+
+static PyObject *
+Worker_listen(WorkerObject *w, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {"callback", "port", "host", "error_handling",
+                             NULL};
+    PyObject *cb;
+    int port = 0, eh = 1;
+    const char *host = NULL;
+
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|izp:listen", kwlist, &cb,
+                                     &port, &host, &eh)) {
+        return NULL;
+    }
+    if (ucxx_worker_check(w) < 0) {
+        return NULL;
+    }
+    if (!PyCallable_Check(cb)) {
+        PyErr_SetString(PyExc_TypeError, "callback must be callable");
+        return NULL;
+    }
+    if (port < 0 || port > 65535) {
+        PyErr_Format(PyExc_ValueError, "port must be in 0..65535, got %d",
+                     port);
+        return NULL;
+    }
+    return ucxx_listener_create(w, cb, port, host, eh);
+}
+
+PyDoc_STRVAR(Worker_register_am_allocator_doc,
+"register_am_allocator($self, memory_type, allocator, /)\n--\n\n"
+"allocator(nbytes) -> writable buffer, used by am_recv for messages of\n"
+"that memory type.");
+
+static PyObject *
+Worker_register_am_allocator(WorkerObject *w, PyObject *const *args,
+                             Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError,
+                        "register_am_allocator() takes 2 arguments");
+        return NULL;
+    }
+    if (!PyLong_Check(args[0]) || !PyCallable_Check(args[1])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "register_am_allocator(memory_type: int, "
+                        "allocator: callable)");
+        return NULL;
+    }
+    if (PyDict_SetItem(w->am_allocators, args[0], args[1]) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- getters ------------------------------------------------------------ */
+
+static PyObject *
+Worker_get_efd(WorkerObject *w, void *closure)
+{
+    return PyLong_FromLong(w->efd);
+}
+
+static PyObject *
+Worker_get_address(WorkerObject *w, void *closure)
+{
+    ucp_address_t *addr;
+    size_t len;
+    ucs_status_t status;
+    PyObject *b;
+
+    if (ucxx_worker_check(w) < 0) {
+        return NULL;
+    }
+    status = ucp_worker_get_address(w->handle, &addr, &len);
+    if (status != UCS_OK) {
+        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+                                 "ucp_worker_get_address");
+    }
+    b = PyBytes_FromStringAndSize((const char *)addr, (Py_ssize_t)len);
+    ucp_worker_release_address(w->handle, addr);
+    return b;
+}
+
+static PyObject *
+Worker_get_closed(WorkerObject *w, void *closure)
+{
+    return PyBool_FromLong(w->handle == NULL);
+}
+
+static PyObject *
+Worker_get_handle(WorkerObject *w, void *closure)
+{
+    return PyLong_FromVoidPtr(w->handle);
+}
+
+static PyObject *
+Worker_get_context(WorkerObject *w, void *closure)
+{
+    return Py_NewRef(w->context);
+}
+
+static PyObject *
+Worker_get_mode(WorkerObject *w, void *closure)
+{
+    return PyUnicode_FromString(w->mode == UCXX_MODE_BLOCKING ? "blocking"
+                                                              : "polling");
+}
+
+static PyObject *
+Worker_get_spin(WorkerObject *w, void *closure)
+{
+    return PyFloat_FromDouble(w->spin_us);
+}
+
+static int
+Worker_set_spin(WorkerObject *w, PyObject *v, void *closure)
+{
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete spin_us");
+        return -1;
+    }
+    return set_spin(w, v);
+}
+
+static PyObject *
+Worker_get_loop(WorkerObject *w, void *closure)
+{
+    return Py_NewRef(w->loop ? w->loop : Py_None);
+}
+
+static PyObject *
+Worker_get_task(WorkerObject *w, void *closure)
+{
+    return Py_NewRef(w->task ? w->task : Py_None);
+}
+
+static PyObject *
+Worker_get_armed(WorkerObject *w, void *closure)
+{
+    return PyBool_FromLong(w->armed);
+}
+
+static PyObject *
+Worker_get_npending(WorkerObject *w, void *closure)
+{
+    Py_ssize_t n = 0;
+
+    for (ucxx_link *it = w->pending.next; it != &w->pending; it = it->next) {
+        n++;
+    }
+    return PyLong_FromSsize_t(n);
+}
+
+/* ---- GC ----------------------------------------------------------------- */
+
+static int
+Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(w));
+    Py_VISIT(w->context);
+    Py_VISIT(w->loop);
+    Py_VISIT(w->task);
+    Py_VISIT(w->coro);
+    Py_VISIT(w->waiter);
+    Py_VISIT(w->rearm_cb);
+    Py_VISIT(w->am_allocators);
+    return 0;
+}
+
+static int
+Worker_clear(WorkerObject *w)
+{
+    Py_CLEAR(w->task);
+    Py_CLEAR(w->coro);
+    Py_CLEAR(w->waiter);
+    Py_CLEAR(w->loop);
+    Py_CLEAR(w->rearm_cb);
+    Py_CLEAR(w->am_allocators);
+    return 0;
+}
+
+static void
+Worker_finalize(WorkerObject *w)
+{
+    PyObject *exc;
+
+    if (w->handle == NULL) {
+        return;
+    }
+    exc = PyErr_GetRaisedException_compat();
+    if (PyErr_ResourceWarning((PyObject *)w, 1, "unclosed %R", w) < 0) {
+        PyErr_WriteUnraisable((PyObject *)w);
+    }
+    worker_close_now(w);
+    if (exc != NULL) {
+        PyErr_SetRaisedException_compat(exc);
+    }
+}
+
+static void
+Worker_dealloc(WorkerObject *w)
+{
+    PyTypeObject *tp = Py_TYPE(w);
+
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)w) < 0) {
+        return;
+    }
+    PyObject_GC_UnTrack(w);
+    if (w->weakreflist != NULL) {
+        PyObject_ClearWeakRefs((PyObject *)w);
+    }
+    worker_close_now(w);
+    Worker_clear(w);
+    Py_CLEAR(w->context);
+    tp->tp_free(w);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+Worker_repr(WorkerObject *w)
+{
+    return PyUnicode_FromFormat("<ucxx.Worker %s%s>",
+                                w->mode == UCXX_MODE_BLOCKING ? "blocking"
+                                                              : "polling",
+                                w->handle == NULL ? " closed" : "");
+}
+
+static PyMethodDef Worker_methods[] = {
+    {"close", (PyCFunction)Worker_close, METH_NOARGS, Worker_close_doc},
+    {"progress", (PyCFunction)Worker_progress, METH_NOARGS,
+     Worker_progress_doc},
+    {"arm", (PyCFunction)Worker_arm, METH_NOARGS, Worker_arm_doc},
+    {"signal", (PyCFunction)Worker_signal, METH_NOARGS, Worker_signal_doc},
+    {"info", (PyCFunction)Worker_info, METH_NOARGS, Worker_info_doc},
+    {"start", (PyCFunction)Worker_start, METH_O, Worker_start_doc},
+    {"stop", (PyCFunction)Worker_stop, METH_NOARGS, Worker_stop_doc},
+    {"tag_recv", (PyCFunction)(void (*)(void))Worker_tag_recv, METH_FASTCALL,
+     Worker_tag_recv_doc},
+    {"ep_from_address", (PyCFunction)(void (*)(void))Worker_ep_from_address,
+     METH_VARARGS | METH_KEYWORDS, Worker_ep_from_address_doc},
+    {"ep_from_sockaddr", (PyCFunction)(void (*)(void))Worker_ep_from_sockaddr,
+     METH_VARARGS | METH_KEYWORDS, Worker_ep_from_sockaddr_doc},
+    {"listen", (PyCFunction)(void (*)(void))Worker_listen,
+     METH_VARARGS | METH_KEYWORDS, Worker_listen_doc},
+    {"register_am_allocator",
+     (PyCFunction)(void (*)(void))Worker_register_am_allocator, METH_FASTCALL,
+     Worker_register_am_allocator_doc},
+    {"_on_efd", (PyCFunction)Worker_on_efd, METH_NOARGS, Worker_on_efd_doc},
+    {"_rearm", (PyCFunction)Worker_rearm, METH_NOARGS, Worker_rearm_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Worker_getset[] = {
+    {"efd", (getter)Worker_get_efd, NULL, "The worker's event fd.", NULL},
+    {"address", (getter)Worker_get_address, NULL, "UCX worker address.", NULL},
+    {"closed", (getter)Worker_get_closed, NULL, "True once closed.", NULL},
+    {"handle", (getter)Worker_get_handle, NULL, "ucp_worker_h as int.", NULL},
+    {"context", (getter)Worker_get_context, NULL, "The Context.", NULL},
+    {"progress_mode", (getter)Worker_get_mode, NULL, "blocking|polling", NULL},
+    {"spin_us", (getter)Worker_get_spin, (setter)Worker_set_spin,
+     "Await spin budget in microseconds.", NULL},
+    {"loop", (getter)Worker_get_loop, NULL, "Attached event loop.", NULL},
+    {"task", (getter)Worker_get_task, NULL, "The progress Task.", NULL},
+    {"armed", (getter)Worker_get_armed, NULL, "Armed for the event fd.", NULL},
+    {"npending", (getter)Worker_get_npending, NULL,
+     "Requests UCX still holds.", NULL},
+    {NULL},
+};
+
+static PyMemberDef Worker_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(WorkerObject, weakreflist),
+     READONLY},
+    {NULL},
+};
+
+PyDoc_STRVAR(Worker_doc,
+"Worker(context, progress_mode='blocking', spin_us=None)\n--\n\n"
+"A UCX worker (thread mode SINGLE) driven from one asyncio loop.");
+
+static PyType_Slot Worker_slots[] = {
+    {Py_tp_doc, (void *)Worker_doc},
+    {Py_tp_new, Worker_new},
+    {Py_tp_dealloc, Worker_dealloc},
+    {Py_tp_finalize, Worker_finalize},
+    {Py_tp_traverse, Worker_traverse},
+    {Py_tp_clear, Worker_clear},
+    {Py_tp_methods, Worker_methods},
+    {Py_tp_getset, Worker_getset},
+    {Py_tp_members, Worker_members},
+    {Py_tp_repr, Worker_repr},
+    {0, NULL},
+};
+
+PyType_Spec ucxx_worker_spec = {
+    .name = "ucxx._ucxx.Worker",
+    .basicsize = sizeof(WorkerObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE,
+    .slots = Worker_slots,
+};

@@ -1,0 +1,223 @@
+"""Type stubs for the C extension ``ucxx._ucxx``.
+
+Every transfer returns a :class:`Request`: await it (inside a running event
+loop) or poll ``done()`` while calling ``Worker.progress()`` (no asyncio).
+"""
+
+import asyncio
+from collections.abc import Buffer, Callable, Coroutine, Sequence
+from typing import Any
+
+# (major, minor, release) of the UCX headers this extension was built with.
+UCX_BUILD_VERSION: tuple[int, int, int]
+
+# Context features (bit flags, the values of ucp_feature).
+FEATURE_TAG: int
+FEATURE_RMA: int
+FEATURE_AMO32: int
+FEATURE_AMO64: int
+FEATURE_WAKEUP: int
+FEATURE_STREAM: int
+FEATURE_AM: int
+DEFAULT_FEATURES: int  # TAG | WAKEUP | STREAM | AM
+
+# Memory types (ucs_memory_type_t).
+MEMORY_TYPE_HOST: int
+MEMORY_TYPE_CUDA: int
+MEMORY_TYPE_UNKNOWN: int
+
+class UCXError(Exception): ...
+class UCXCanceledError(UCXError): ...
+class UCXCloseError(UCXError): ...
+class UCXConfigError(UCXError): ...
+class UCXConnectionResetError(UCXError): ...
+class UCXMessageTruncatedError(UCXError): ...
+class UCXNotConnectedError(UCXError): ...
+class UCXUnreachableError(UCXError): ...
+class UCXTimedOutError(UCXError): ...
+class UCXNoMemoryError(UCXError): ...
+class UCXNoResourceError(UCXError): ...
+class UCXInvalidParamError(UCXError): ...
+class UCXBusyError(UCXError): ...
+class UCXUnsupportedError(UCXError): ...
+class UCXRejectedError(UCXError): ...
+class UCXNoDeviceError(UCXError): ...
+class UCXEndpointTimeoutError(UCXError): ...
+class UCXBufferTooSmallError(UCXError): ...
+
+def get_ucx_version() -> tuple[int, int, int]:
+    """Version of the UCX library loaded at run time (no context created)."""
+
+def get_config(options: dict[str, str] | None = None) -> dict[str, str]:
+    """UCX configuration as ``{NAME: value}`` without the ``UCX_`` prefix,
+    after applying ``options``; creates no context. Unknown option names raise
+    UCXConfigError naming the option."""
+
+class Context:
+    """``Context(options={}, features=DEFAULT_FEATURES,
+    env_takes_precedence=False)``: ``ucp_init``.
+
+    ``options`` keys are UCX variable names without the ``UCX_`` prefix
+    (``{"TLS": "tcp"}``). With ``env_takes_precedence`` an option already set
+    in the environment (``UCX_TLS``) wins over ``options``."""
+
+    def __init__(
+        self,
+        options: dict[str, str] | None = None,
+        features: int = ...,
+        env_takes_precedence: bool = False,
+    ) -> None: ...
+    @property
+    def config(self) -> dict[str, str]: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def handle(self) -> int: ...
+    def info(self) -> str:
+        """``ucp_context_print_info`` as a string."""
+    def close(self) -> None:
+        """Idempotent. Raises UCXError if workers are still open on it."""
+
+class Request:
+    """The awaitable of one transfer (or of one gather).
+
+    ``await req`` returns the result (bytes received for a receive, None for
+    a send, an object for ``am_recv``) or raises the typed UCXError. A
+    request that UCX completed immediately returns without suspending. While
+    pending, it holds the buffers it was given."""
+
+    def __await__(self) -> Any: ...
+    def done(self) -> bool: ...
+    def result(self) -> Any:
+        """Result or raise; InvalidStateError-like UCXError if not done."""
+    def cancel(self) -> bool:
+        """``ucp_request_cancel`` (receives; a send cannot be recalled).
+        True if a cancel was requested. Completion then raises
+        UCXCanceledError."""
+    @property
+    def status(self) -> int:
+        """UCS status code (0 = OK, 1 = in progress, negative = error)."""
+
+class Worker:
+    """``Worker(context, progress_mode="blocking", spin_us=None)``:
+    ``ucp_worker_create`` (thread mode SINGLE).
+
+    ``progress_mode`` is ``"blocking"`` or ``"polling"``. ``spin_us`` is the
+    budget in microseconds an await spends progressing the worker before it
+    suspends (None: the mode's default; 0: never spin)."""
+
+    def __init__(
+        self,
+        context: Context,
+        progress_mode: str = "blocking",
+        spin_us: float | None = None,
+    ) -> None: ...
+    context: Context
+    progress_mode: str
+    spin_us: float
+    @property
+    def efd(self) -> int: ...
+    @property
+    def address(self) -> bytes:
+        """This worker's UCX address (pass to ``Worker.ep_from_address``)."""
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def handle(self) -> int: ...
+    def progress(self) -> int:
+        """One ``ucp_worker_progress`` (GIL released), then delivers the
+        completions it produced. Returns the UCX count."""
+    def arm(self) -> bool:
+        """``ucp_worker_arm``: True if armed, False if busy (progress again)."""
+    def signal(self) -> None: ...
+    def info(self) -> str: ...
+    def start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Task[None]:
+        """Attach the worker to ``loop``: register the event-fd reader
+        (blocking mode) and start the one progress coroutine in a Task.
+        Idempotent per loop; returns the Task. Awaiting a request inside a
+        loop the worker is not attached to attaches it implicitly."""
+    def stop(self) -> None:
+        """Detach from the current loop (remove reader, end the task)."""
+    def tag_recv(
+        self, buf: Buffer, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF
+    ) -> Request:
+        """Receive into a writable C-contiguous buffer from any endpoint."""
+    def ep_from_address(
+        self, address: bytes, error_handling: bool = True
+    ) -> Endpoint: ...
+    def ep_from_sockaddr(
+        self, host: str, port: int, error_handling: bool = True
+    ) -> Endpoint:
+        """Client endpoint to a listener (no handshake at this level)."""
+    def listen(
+        self,
+        callback: Callable[[Endpoint], object],
+        port: int = 0,
+        host: str | None = None,
+        error_handling: bool = True,
+    ) -> Listener:
+        """``ucp_listener_create``; ``callback(endpoint)`` is called from the
+        event loop (``loop.call_soon``) for each accepted connection."""
+    def register_am_allocator(
+        self, memory_type: int, allocator: Callable[[int], Buffer]
+    ) -> None:
+        """Allocator used by ``am_recv`` for messages of that memory type."""
+    def close(self) -> None:
+        """Idempotent: fail pending requests with UCXCanceledError, remove
+        the reader, end the progress task, ``ucp_worker_destroy``."""
+
+class Endpoint:
+    """A ``ucp_ep_h``. Created by Worker or Listener, never directly."""
+
+    worker: Worker
+    # Tags used by send()/recv() when tag is None; set by the handshake.
+    send_tag: int
+    recv_tag: int
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def handle(self) -> int: ...
+    @property
+    def uid(self) -> int: ...
+    def send(self, buf: Buffer, tag: int | None = None, force_tag: bool = False) -> Request:
+        """Tagged send. tag None: ``send_tag``; else ``tag`` mixed with
+        ``send_tag`` unless ``force_tag``."""
+    def recv(self, buf: Buffer, tag: int | None = None, force_tag: bool = False) -> Request:
+        """Tagged receive (full mask) on ``recv_tag`` (or mixed/forced tag)."""
+    def tag_send(self, buf: Buffer, tag: int) -> Request: ...
+    def tag_recv(self, buf: Buffer, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF) -> Request:
+        """Like Worker.tag_recv but tracked by this endpoint: it fails when
+        the endpoint closes or the peer dies."""
+    def stream_send(self, buf: Buffer) -> Request: ...
+    def stream_recv(self, buf: Buffer) -> Request:
+        """Receives exactly len(buf) bytes (WAITALL)."""
+    def gather_send(self, buffers: Sequence[Buffer], tag: int | None = None, force_tag: bool = False) -> Request:
+        """One send per buffer, posted in order in one call; one Request."""
+    def gather_recv(self, buffers: Sequence[Buffer], tag: int | None = None, force_tag: bool = False) -> Request:
+        """One receive per buffer, posted in order; result is None; a size
+        mismatch raises UCXMessageTruncatedError (first error wins)."""
+    def am_send(self, buf: Buffer) -> Request: ...
+    def am_recv(self) -> Request:
+        """Next active message from this endpoint (queued until received)."""
+    def set_close_callback(self, callback: Callable[[], object] | None) -> None:
+        """Called once, from the loop, when the endpoint closes or fails."""
+    def close(self) -> Request:
+        """Graceful (flush) close; awaitable. Pending receives fail with
+        UCXCanceledError. Idempotent."""
+    def abort(self) -> None:
+        """Immediate (force) close. Idempotent."""
+
+class Listener:
+    worker: Worker
+    @property
+    def port(self) -> int: ...
+    @property
+    def ip(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    def close(self) -> None: ...
+
+class ProgressCoroutine(Coroutine[Any, Any, None]):
+    """The C coroutine driving a Worker on one loop (see Worker.start)."""
