@@ -412,6 +412,16 @@ def test_zero_bytes():
     assert rows["Bandwidth (average)"] == "0 B/s"
 
 
+def _start_server(argv):
+    """``--server-only`` in the background (a context manager: its pipes are
+    closed and it is waited for on exit)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "ucxx.benchmarks.send_recv", "--server-only", *argv],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, cwd=REPO, env=_env(),
+    )
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -422,29 +432,21 @@ def _free_port():
 @pytest.mark.parametrize("backend", ["socket", "asyncio"])
 def test_server_only_client_only(backend):
     port = _free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ucxx.benchmarks.send_recv", "-l", backend,
-         "--server-only", "-p", str(port), "--n-iter", "3", "--n-warmup-iter", "1",
-         "-n", "1kB"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env=_env(),
-    )
-    try:
-        line = server.stdout.readline()
-        assert line.strip() == f"Server Running at 127.0.0.1:{port}", line
-        proc = run_cli(
-            "-l", backend, "--client-only", "-p", str(port), "--n-iter", "3",
-            "--n-warmup-iter", "1", "-n", "1kB",
-        )
-        assert proc.returncode == 0, proc.stderr
-        assert "Server Running" not in proc.stdout
-        rows, _ = parse_report(proc.stdout, backend, 3)
-        assert rows["Iterations"] == "3"
-        assert server.wait(timeout=30) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    common = ["-l", backend, "-p", str(port), "--n-iter", "3",
+              "--n-warmup-iter", "1", "-n", "1kB"]
+    with _start_server(common) as server:
+        try:
+            line = server.stdout.readline()
+            assert line.strip() == f"Server Running at 127.0.0.1:{port}", line
+            proc = run_cli("--client-only", *common)
+            assert proc.returncode == 0, proc.stderr
+            assert "Server Running" not in proc.stdout
+            rows, _ = parse_report(proc.stdout, backend, 3)
+            assert rows["Iterations"] == "3"
+            assert server.wait(timeout=30) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
 
 
 @pytest.mark.timeout(60)
@@ -581,20 +583,14 @@ def test_ucxx_core_server_only_client_only():
     port = _free_port()
     common = ["-l", "ucxx-core", "-p", str(port), "--n-iter", "3",
               "--n-warmup-iter", "1", "-n", "1kB"]
-    server = subprocess.Popen(
-        [sys.executable, "-m", "ucxx.benchmarks.send_recv", "--server-only", *common],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-        env=_env(),
-    )
-    try:
-        line = server.stdout.readline()
-        assert line.strip() == f"Server Running at 127.0.0.1:{port}", (
-            line, server.stderr.read() if server.poll() is not None else "")
-        proc = run_cli("--client-only", *common)
-        assert proc.returncode == 0, proc.stderr
-        parse_report(proc.stdout, "ucxx-core", 3)
-        assert server.wait(timeout=30) == 0
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+    with _start_server(common) as server:
+        try:
+            line = server.stdout.readline()
+            assert line.strip() == f"Server Running at 127.0.0.1:{port}", line
+            proc = run_cli("--client-only", *common)
+            assert proc.returncode == 0, proc.stderr
+            parse_report(proc.stdout, "ucxx-core", 3)
+            assert server.wait(timeout=30) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import sys
 from argparse import Namespace
 from time import perf_counter
@@ -127,10 +128,16 @@ class UCXPyAsyncServer(BaseServer):
                 if not done.done():
                     done.set_result(None)
 
+        kwargs = {}
+        if _accepts_host(ucxx.create_listener):
+            # Listen where the client is told to connect (RAPIDS: all
+            # interfaces; -s names the one that is used either way).
+            kwargs["host"] = args.server_address
         lf = ucxx.create_listener(
             server_handler,
             port=args.port,
             endpoint_error_handling=args.error_handling,
+            **kwargs,
         )
         self.queue.put(lf.port)
         try:
@@ -218,6 +225,13 @@ class UCXPyAsyncClient(BaseClient):
         )
         print_key_value(key="Progress mode", value=f"{self.args.progress_mode}")
         print_ucx_config()
+
+
+def _accepts_host(func) -> bool:
+    try:
+        return "host" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def _check_echo(args: Namespace, xp, expected, received) -> None:
