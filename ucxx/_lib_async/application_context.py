@@ -1,0 +1,359 @@
+"""ApplicationContext: one UCX context + one worker, and the connection
+logic of the asyncio API (handshake, endpoint and listener bookkeeping)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import ipaddress
+import logging
+import os
+import re
+import socket
+import weakref
+
+from .. import _ucxx
+from ..exceptions import UCXError
+from . import multi
+from .endpoint import Endpoint
+from .exchange_peer_info import exchange_peer_info, new_tag
+from .listener import Listener, _ListenerState
+from .utils import get_event_loop
+
+logger = logging.getLogger("ucx")
+
+PROGRESS_MODES = ("blocking", "polling", "thread", "thread-polling")
+DEFAULT_PROGRESS_MODE = "blocking"
+DEFAULT_CONNECT_TIMEOUT = 5.0
+
+# UCX options this package sets unless the caller (options) or the
+# environment (UCX_<NAME>) says otherwise. See docs/DECISIONS.md.
+DEFAULT_UCX_OPTIONS = {
+    # Detect a dead peer within a few seconds on every transport (shared
+    # memory has no connection whose reset the kernel would report).
+    "KEEPALIVE_INTERVAL": "1s",
+}
+
+
+def _normalize_options(options) -> dict[str, str]:
+    out = {}
+    for k, v in dict(options or {}).items():
+        if not isinstance(k, str):
+            raise TypeError(f"UCX option names must be str, got {k!r}")
+        name = k[4:] if k.startswith("UCX_") else k
+        if isinstance(v, bool):
+            v = "y" if v else "n"
+        out[name] = str(v)
+    return out
+
+
+def effective_options(options=None) -> dict[str, str]:
+    """``options`` plus this package's defaults for the options that neither
+    ``options`` nor the environment set."""
+    opts = _normalize_options(options)
+    for name, value in DEFAULT_UCX_OPTIONS.items():
+        if name not in opts and f"UCX_{name}" not in os.environ:
+            opts[name] = value
+    return opts
+
+
+def _resolve_progress_mode(progress_mode) -> str:
+    source = "progress_mode"
+    if progress_mode is None:
+        progress_mode = os.environ.get("UCXPY_PROGRESS_MODE") or None
+        source = "$UCXPY_PROGRESS_MODE"
+    if progress_mode is None:
+        return DEFAULT_PROGRESS_MODE
+    if not isinstance(progress_mode, str) or progress_mode not in PROGRESS_MODES:
+        raise ValueError(
+            f"Unknown progress mode {progress_mode!r} (from {source}), valid "
+            f"modes are: {', '.join(repr(m) for m in PROGRESS_MODES)}"
+        )
+    return progress_mode
+
+
+def _resolve_float(value, env: str, default, what: str, allow_zero: bool):
+    source = what
+    if value is None:
+        value = os.environ.get(env) or None
+        source = f"${env}"
+    if value is None:
+        return default
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"invalid {what} {value!r} (from {source})") from None
+    if f != f or f < 0 or (f == 0 and not allow_zero):
+        raise ValueError(f"invalid {what} {value!r} (from {source})")
+    return f
+
+
+def _resolve_host(host, port) -> str:
+    """Numeric IP for ``host``; ValueError naming a bad host or port."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"invalid port {port!r}: expected an int in 0..65535")
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"invalid address {host!r}: expected an IP address or host name")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"invalid address {host!r}: {e}") from None
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for info in infos:
+            if info[0] == family:
+                return info[4][0]
+    raise ValueError(f"invalid address {host!r}: no IPv4/IPv6 address")
+
+
+def _address_bytes(address) -> bytes:
+    if isinstance(address, bytes):
+        return address
+    if hasattr(address, "__bytes__"):
+        return bytes(address)
+    try:
+        return bytes(memoryview(address))
+    except TypeError:
+        raise TypeError(
+            f"a UCX worker address must be bytes-like, got {type(address).__name__}"
+        ) from None
+
+
+class ApplicationContext:
+    """The context of the asyncio interface: one ``ucp_context``, one worker.
+
+    Created lazily by ``ucxx.core._get_ctx()`` or explicitly by
+    ``ucxx.init()``.
+    """
+
+    def __init__(
+        self,
+        options=None,
+        env_takes_precedence=False,
+        progress_mode=None,
+        connect_timeout=None,
+        spin_us=None,
+    ):
+        self.progress_mode = _resolve_progress_mode(progress_mode)
+        self.spin_us = _resolve_float(spin_us, "UCXPY_SPIN_US", None, "spin_us", True)
+        self.connect_timeout = _resolve_float(
+            connect_timeout, "UCXPY_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
+            "connect_timeout", False,
+        )
+        self.recv_multi_max_frames = multi.DEFAULT_MAX_FRAMES
+        self.recv_multi_max_bytes = multi.DEFAULT_MAX_BYTES
+        self.options = effective_options(options)
+        self._endpoints: weakref.WeakSet = weakref.WeakSet()
+        self._listeners: weakref.WeakSet = weakref.WeakSet()
+        self._tasks: set[asyncio.Task] = set()
+        self.context = _ucxx.Context(
+            self.options, env_takes_precedence=bool(env_takes_precedence)
+        )
+        try:
+            self.worker = _ucxx.Worker(
+                self.context, progress_mode=self.progress_mode, spin_us=self.spin_us
+            )
+        except BaseException:
+            self.context.close()
+            raise
+        # Progress right away when created inside a running loop, so that a
+        # peer can reach this worker by address before any local call.
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            self.continuous_ucx_progress()
+
+    # ------------------------------------------------------------ properties
+    @property
+    def config(self) -> dict:
+        """UCX configuration of this context (names without ``UCX_``)."""
+        return self.context.config
+
+    @property
+    def ucp_context_info(self) -> str:
+        return self.context.info()
+
+    @property
+    def ucp_worker_info(self) -> str:
+        return self.worker.info()
+
+    @property
+    def ucp_worker(self) -> int:
+        return self.worker.handle
+
+    @property
+    def worker_address(self) -> bytes:
+        return self.worker.address
+
+    def get_worker_address(self) -> bytes:
+        return self.worker.address
+
+    def get_config(self) -> dict:
+        return self.config
+
+    # -------------------------------------------------------------- bookkeeping
+    def _track_endpoint(self, ep: Endpoint) -> None:
+        self._endpoints.add(ep)
+
+    def _track_task(self, task: asyncio.Task) -> None:
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def live_objects(self) -> list:
+        """Endpoints and listeners of this context that are still open."""
+        gc.collect()
+        out = [ep for ep in list(self._endpoints) if not ep._ep.closed]
+        out += [lst for lst in list(self._listeners) if not lst._listener.closed]
+        return out
+
+    # --------------------------------------------------------------- progress
+    def continuous_ucx_progress(self, event_loop=None, loop=None):
+        """Attach the worker to ``loop`` (default: the running loop, else the
+        current one): one progress task per loop. Called automatically by
+        ``create_listener()``, ``create_endpoint()`` and friends."""
+        loop = loop or event_loop or get_event_loop()
+        return self.worker.start(loop)
+
+    def progress(self) -> int:
+        return self.worker.progress()
+
+    def stop_notifier_thread(self) -> None:
+        """Kept for compatibility: this implementation has no notifier
+        thread, so there is nothing to stop."""
+        logger.debug("stop_notifier_thread(): no notifier thread")
+
+    # ------------------------------------------------------------ connections
+    def create_listener(
+        self,
+        callback_func,
+        port=0,
+        endpoint_error_handling=True,
+        connect_timeout=None,
+        host=None,
+    ) -> Listener:
+        """Start listening for connections.
+
+        ``callback_func(ep)``: a function or coroutine function, called with
+        the new :class:`Endpoint` after the handshake. Exceptions it raises
+        are logged (logger ``"ucx"``). ``port``: 0 or None lets UCX choose.
+        ``host``: the address to bind (default: all interfaces).
+
+        Listening stops when the returned Listener is closed or
+        garbage-collected.
+        """
+        if not callable(callback_func):
+            raise TypeError(f"callback_func must be callable, got {callback_func!r}")
+        if port is None:
+            port = 0
+        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+            raise ValueError(f"invalid port {port!r}: expected an int in 0..65535")
+        if host is not None:
+            host = _resolve_host(host, port)
+        timeout = self.connect_timeout
+        if connect_timeout is not None:
+            timeout = _resolve_float(connect_timeout, "", None, "connect_timeout", False)
+        self.continuous_ucx_progress()
+        state = _ListenerState(self, callback_func, endpoint_error_handling, timeout)
+        c_listener = self.worker.listen(
+            state.on_connection,
+            port=port,
+            host=host,
+            error_handling=bool(endpoint_error_handling),
+        )
+        listener = Listener(c_listener, state)
+        self._listeners.add(listener)
+        logger.debug("create_listener(): listening on %s:%d", listener.ip, listener.port)
+        return listener
+
+    async def create_endpoint(
+        self, ip_address, port, endpoint_error_handling=True, connect_timeout=None
+    ) -> Endpoint:
+        """Connect to a listener at ``ip_address:port`` and run the
+        handshake (bounded by ``connect_timeout``)."""
+        host = _resolve_host(ip_address, port)
+        timeout = self.connect_timeout
+        if connect_timeout is not None:
+            timeout = _resolve_float(connect_timeout, "", None, "connect_timeout", False)
+        self.continuous_ucx_progress()
+        where = f"{ip_address}:{port}"
+        try:
+            c_ep = self.worker.ep_from_sockaddr(
+                host, port, error_handling=bool(endpoint_error_handling)
+            )
+        except UCXError as e:
+            raise type(e)(f"cannot connect to {where}: {e}") from e
+        recv_tag, ctrl_tag = new_tag(), new_tag()
+        peer = await exchange_peer_info(
+            c_ep, recv_tag, ctrl_tag, timeout, peer=f"the listener at {where}"
+        )
+        try:
+            c_ep.send_tag = peer.recv_tag
+            c_ep.recv_tag = recv_tag
+            ep = Endpoint(c_ep, self, ctrl_send_tag=peer.ctrl_tag, ctrl_recv_tag=ctrl_tag)
+        except BaseException:
+            c_ep.abort()
+            raise
+        self._track_endpoint(ep)
+        logger.debug(
+            "create_endpoint(): %#x to %s (send tag %#x, recv tag %#x)",
+            c_ep.uid, where, peer.recv_tag, recv_tag,
+        )
+        return ep
+
+    async def create_endpoint_from_worker_address(
+        self, address, endpoint_error_handling=True
+    ) -> Endpoint:
+        """Endpoint to the worker whose UCX address is ``address``. No
+        handshake: use explicit tags (``force_tag=True``) with such an
+        endpoint, or the worker-level ``ucxx.recv()`` on the peer."""
+        addr = _address_bytes(address)
+        self.continuous_ucx_progress()
+        c_ep = self.worker.ep_from_address(addr, error_handling=bool(endpoint_error_handling))
+        ep = Endpoint(c_ep, self)
+        self._track_endpoint(ep)
+        return ep
+
+    async def recv(self, buffer, tag):
+        """Receive on the worker (from any endpoint) into ``buffer``, tag
+        matched exactly. Returns the number of bytes received."""
+        if isinstance(tag, bool) or not isinstance(tag, int):
+            raise TypeError(f"tag must be an int, got {tag!r}")
+        self.continuous_ucx_progress()
+        return await self.worker.tag_recv(buffer, tag & 0xFFFFFFFFFFFFFFFF)
+
+    # ---------------------------------------------------------------- closing
+    def close(self) -> None:
+        """Close the worker and the context (pending requests fail with
+        UCXCanceledError). Used by ``ucxx.reset()``."""
+        for lst in list(self._listeners):
+            try:
+                lst.close()
+            except Exception:  # pragma: no cover
+                logger.debug("closing listener failed", exc_info=True)
+        for ep in list(self._endpoints):
+            try:
+                ep.abort()
+            except Exception:  # pragma: no cover
+                logger.debug("aborting endpoint failed", exc_info=True)
+        for task in list(self._tasks):
+            if not task.done():
+                try:
+                    task.cancel()
+                except RuntimeError:  # its loop is closed
+                    pass
+        self.worker.close()
+        self.context.close()
+
+    def __repr__(self) -> str:
+        return f"<ucxx.ApplicationContext progress_mode={self.progress_mode!r}>"
+
+
+def get_active_transports(info: str) -> set[str]:
+    """Transports named in ``ucp_context_print_info`` output."""
+    resources = re.findall(r"^#.*resource.*md.*dev.*flags.*$", info, re.MULTILINE)
+    return {r.split()[-1].split("/")[0] for r in resources}
