@@ -1,0 +1,1 @@
+"""Reference C UCX ping-pong and its Python runner (see run_ref.py)."""
