@@ -37,7 +37,7 @@ def ucx_paths():
 
 
 include_dirs, library_dirs = ucx_paths()
-extra_compile_args = ["-std=c11", "-Wall", "-Wextra", "-Wno-unused-parameter",
+extra_compile_args = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                       "-Wno-missing-field-initializers"]
 extra_link_args = []
 if os.environ.get("UCXX_WERROR", "0") == "1":

@@ -141,12 +141,16 @@ ucxx_request_finish_posting(RequestObject *r)
     }
 }
 
-/* Fail a request whose operations UCX does not hold (AM waiters). */
+/* Complete a request UCX does not hold (AM waiters) at the next dispatch. */
 void
-ucxx_request_fail_now(RequestObject *r, ucs_status_t status)
+ucxx_request_complete_now(RequestObject *r, ucs_status_t status)
 {
     record_error(r, status);
     if (r->npending == 0 && !r->queued && r->status == UCS_INPROGRESS) {
+        if (!r->self_ref) {
+            Py_INCREF(r);
+            r->self_ref = 1;
+        }
         ucxx_worker_queue_done(r->worker, r);
     }
 }
@@ -166,7 +170,7 @@ ucxx_request_cancel_ucx(RequestObject *r, ucs_status_t report)
     }
     if (r->kind == UCXX_REQ_AM_RECV) {
         ucxx_list_del(&r->elink);
-        ucxx_request_fail_now(r, report);
+        ucxx_request_complete_now(r, report);
         return;
     }
     if (w->handle == NULL) {
@@ -197,6 +201,11 @@ ucxx_request_result(RequestObject *r)
             Py_RETURN_NONE;
         }
     }
+    if (r->kind == UCXX_REQ_AM_RECV && r->result != NULL &&
+        PyExceptionInstance_Check(r->result)) {
+        PyErr_SetRaisedException_compat(Py_NewRef(r->result));
+        return NULL;
+    }
     st = ucxx_state_of((PyObject *)r);
     if (status == UCS_INPROGRESS) {
         PyErr_SetString(st->InvalidStateError, "request is not done");
@@ -216,6 +225,20 @@ ucxx_request_dispatch(RequestObject *r)
     if (r->status != UCS_INPROGRESS) {
         return;
     }
+    if (r->kind == UCXX_REQ_CLOSE) {
+        status = UCS_OK; /* the endpoint is gone either way */
+    }
+    if (r->kind == UCXX_REQ_AM_DATA && r->endpoint != NULL) {
+        /* A rendezvous active message arrived: hand it to am_recv. */
+        PyObject *obj = status == UCS_OK ? Py_NewRef(r->result) :
+            ucxx_status_exc(ucxx_state_of((PyObject *)r), status, NULL);
+        if (obj != NULL) {
+            ucxx_am_push(r->endpoint, obj);
+            Py_DECREF(obj);
+        } else {
+            PyErr_WriteUnraisable((PyObject *)r);
+        }
+    }
     for (Py_ssize_t i = 0; i < r->nbufs; i++) {
         ucxx_buf_release(&r->bufs[i]);
     }
@@ -225,6 +248,11 @@ ucxx_request_dispatch(RequestObject *r)
     }
     r->status = status;
     ucxx_list_del(&r->wlink);
+    if (status != UCS_OK && r->endpoint != NULL &&
+        (r->kind == UCXX_REQ_GATHER_RECV || r->kind == UCXX_REQ_GATHER_SEND)) {
+        /* Later frames would land in the wrong buffers: stop the stream. */
+        r->endpoint->poisoned = 1;
+    }
     if (fut != NULL) {
         ucxx_state *st = ucxx_state_of((PyObject *)r);
         PyObject *val = ucxx_request_result(r);

@@ -18,7 +18,11 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+/* UCX's UCS_MASK macro trips -Wsign-compare in its own header. */
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wsign-compare"
 #include <ucp/api/ucp.h>
+#pragma GCC diagnostic pop
 
 #define UCXX_TAG_MASK_FULL ((ucp_tag_t)-1)
 
@@ -236,6 +240,7 @@ struct EndpointObject {
     int err_queued;              /* on worker->errored */
     ucs_status_t error;          /* peer error status, UCS_OK if none */
     int close_cb_done;           /* close callback already scheduled */
+    int poisoned;                /* a gather failed/cancelled mid-stream */
     PyObject *close_cb;          /* strong */
     PyObject *close_req;         /* strong: the Request of a graceful close */
     uint64_t uid;
@@ -244,7 +249,8 @@ struct EndpointObject {
     ucxx_link alink;             /* worker->am_ready */
     ucxx_link am_waiters;        /* RequestObject.elink: pending am_recv */
     PyObject *am_queue;          /* strong: list of received AM objects */
-    void *am_raw;                /* queued raw AM messages (am.c) */
+    void *am_raw;                /* malloc'd list of raw AM messages (am.c) */
+    void *am_raw_tail;
     PyObject *weakreflist;
 };
 
@@ -257,7 +263,8 @@ typedef struct {
     int error_handling;
     int port;
     char ip[64];
-    ucp_conn_request_h *conns;   /* PyMem array of queued conn requests */
+    ucp_conn_request_h *conns;   /* malloc'd (no GIL in UCX callbacks): queued
+                                    conn requests, rejected on close */
     size_t nconns, cap;
     int conn_queued;             /* on worker->conn_ready */
     ucxx_link wlink;             /* worker->listeners */
@@ -313,7 +320,7 @@ RequestObject *ucxx_request_new(WorkerObject *w, EndpointObject *ep,
 int ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp);
 void ucxx_request_finish_posting(RequestObject *r);
 void ucxx_request_dispatch(RequestObject *r);
-void ucxx_request_fail_now(RequestObject *r, ucs_status_t status);
+void ucxx_request_complete_now(RequestObject *r, ucs_status_t status);
 void ucxx_request_cancel_ucx(RequestObject *r, ucs_status_t report);
 PyObject *ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep,
                                  PyObject *buf, ucp_tag_t tag, ucp_tag_t mask);
@@ -343,6 +350,7 @@ PyObject *ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag,
 int ucxx_am_setup(WorkerObject *w);
 void ucxx_am_deliver(EndpointObject *ep);
 void ucxx_am_discard(EndpointObject *ep);
+void ucxx_am_push(EndpointObject *ep, PyObject *obj);
 PyObject *ucxx_am_send(EndpointObject *ep, PyObject *buf);
 PyObject *ucxx_am_recv(EndpointObject *ep);
 

@@ -13,6 +13,7 @@
  * re-arms inline instead.
  */
 #include "ucxx.h"
+#include <netdb.h>
 #include <unistd.h>
 
 /* Progress calls per drain before yielding to the loop. */

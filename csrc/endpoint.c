@@ -1,0 +1,774 @@
+/*
+ * endpoint.c - Endpoint wraps ucp_ep_h (peer error handling on by default).
+ * Owns the endpoint handle and its close callback; close() (graceful,
+ * awaitable), abort() (force), worker close or dealloc releases it.
+ * Receives posted through an endpoint are tracked by it: they fail with
+ * UCXCanceledError when it closes and with the peer's error when it dies.
+ */
+#include "ucxx.h"
+
+static uint64_t
+mix64(uint64_t x)
+{
+    /* splitmix64 finaliser: user tags spread over the 64-bit space */
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+static void
+ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t status)
+{
+    EndpointObject *ep = arg;
+
+    /* Inside ucp_worker_progress: record only (no Python). */
+    if (ep->error == UCS_OK) {
+        ep->error = status;
+    }
+    if (!ep->err_queued) {
+        ep->err_queued = 1;
+        ucxx_list_add_tail(&ep->worker->errored, &ep->elink);
+    }
+}
+
+EndpointObject *
+ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
+                  int error_handling)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    PyTypeObject *tp = st->EndpointType;
+    EndpointObject *ep;
+    ucs_status_t status;
+
+    ep = (EndpointObject *)tp->tp_alloc(tp, 0);
+    if (ep == NULL) {
+        return NULL;
+    }
+    ep->worker = (WorkerObject *)Py_NewRef(w);
+    ucxx_list_init(&ep->wlink);
+    ucxx_list_init(&ep->elink);
+    ucxx_list_init(&ep->alink);
+    ucxx_list_init(&ep->am_waiters);
+    ep->am_queue = PyList_New(0);
+    if (ep->am_queue == NULL) {
+        Py_DECREF(ep);
+        return NULL;
+    }
+    ep->error_handling = error_handling;
+    params->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                          UCP_EP_PARAM_FIELD_ERR_HANDLER |
+                          UCP_EP_PARAM_FIELD_USER_DATA;
+    params->err_mode = error_handling ? UCP_ERR_HANDLING_MODE_PEER
+                                      : UCP_ERR_HANDLING_MODE_NONE;
+    params->err_handler.cb = ep_err_cb;
+    params->err_handler.arg = ep;
+    params->user_data = ep;
+    status = ucp_ep_create(w->handle, params, &ep->handle);
+    if (status == UCS_ERR_UNREACHABLE && error_handling) {
+        /* Transports without peer failure support (shared memory alone):
+         * connect without error handling rather than not at all. */
+        params->err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        ep->error_handling = 0;
+        status = ucp_ep_create(w->handle, params, &ep->handle);
+    }
+    ucxx_worker_touched(w);
+    if (status != UCS_OK) {
+        ep->handle = NULL;
+        ep->closed = 1;
+        Py_DECREF(ep);
+        return (EndpointObject *)ucxx_raise_status(st, status,
+                                                   "ucp_ep_create");
+    }
+    ep->uid = (uint64_t)(uintptr_t)ep->handle;
+    ucxx_list_add_tail(&w->endpoints, &ep->wlink);
+    return ep;
+}
+
+/* Cancel the receives this endpoint tracks, reporting `report`. */
+static void
+cancel_tracked(EndpointObject *ep, ucs_status_t report)
+{
+    WorkerObject *w = ep->worker;
+
+    for (ucxx_link *it = w->pending.next; it != &w->pending; it = it->next) {
+        RequestObject *r = UCXX_CONTAINER(it, RequestObject, wlink);
+
+        if (r->endpoint == ep &&
+            (r->kind == UCXX_REQ_RECV || r->kind == UCXX_REQ_STREAM_RECV ||
+             r->kind == UCXX_REQ_GATHER_RECV)) {
+            ucxx_request_cancel_ucx(r, report);
+        }
+    }
+    while (!ucxx_list_empty(&ep->am_waiters)) {
+        RequestObject *r = UCXX_CONTAINER(ep->am_waiters.next, RequestObject,
+                                          elink);
+        ucxx_request_cancel_ucx(r, report);
+    }
+}
+
+static void
+run_close_callback(EndpointObject *ep)
+{
+    PyObject *cb = ep->close_cb;
+
+    if (ep->close_cb_done) {
+        return;
+    }
+    ep->close_cb_done = 1;
+    if (cb == NULL) {
+        return;
+    }
+    ep->close_cb = NULL;
+    if (ucxx_call_soon(ep->worker, cb, NULL) < 0) {
+        PyErr_WriteUnraisable(cb);
+    }
+    Py_DECREF(cb);
+}
+
+/* Post ucp_ep_close_nbx; returns the close Request (already done if UCX
+ * completed at once).  Close errors are not reported: the endpoint is gone
+ * either way. */
+static RequestObject *
+ep_close_handle(EndpointObject *ep, int force)
+{
+    WorkerObject *w = ep->worker;
+    ucp_request_param_t param;
+    ucs_status_ptr_t sp;
+    RequestObject *r = ucxx_request_new(w, ep, UCXX_REQ_CLOSE, 1);
+
+    if (r == NULL) {
+        return NULL;
+    }
+    if (ep->handle != NULL && w->handle != NULL) {
+        param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
+                             UCP_OP_ATTR_FIELD_USER_DATA |
+                             UCP_OP_ATTR_FIELD_FLAGS;
+        param.cb.send = ucxx_send_cb;
+        param.user_data = &r->op1;
+        param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+        sp = ucp_ep_close_nbx(ep->handle, &param);
+        ep->handle = NULL;
+        ucxx_worker_touched(w);
+        ucxx_request_track(r, &r->op1, sp);
+    }
+    r->first_error = UCS_OK;
+    ucxx_request_finish_posting(r);
+    return r;
+}
+
+/* Close now (force): pending receives fail with `report`. */
+void
+ucxx_endpoint_abort_now(EndpointObject *ep, ucs_status_t report)
+{
+    RequestObject *r;
+
+    if (!ep->closed) {
+        ep->closed = 1;
+        cancel_tracked(ep, report);
+    }
+    ucxx_list_del(&ep->wlink);
+    ucxx_list_del(&ep->elink);
+    ucxx_list_del(&ep->alink);
+    ucxx_am_discard(ep);
+    if (ep->handle != NULL) {
+        r = ep_close_handle(ep, 1);
+        if (r == NULL) {
+            PyErr_WriteUnraisable((PyObject *)ep);
+        }
+        Py_XDECREF(r);
+    }
+    run_close_callback(ep);
+}
+
+/* Dispatch of a peer error recorded by ep_err_cb. */
+void
+ucxx_endpoint_report_error(EndpointObject *ep)
+{
+    RequestObject *r;
+
+    cancel_tracked(ep, ep->error);
+    if (ep->handle != NULL) {
+        /* UCX requires a failed endpoint to be closed with FORCE. */
+        r = ep_close_handle(ep, 1);
+        if (r == NULL) {
+            PyErr_WriteUnraisable((PyObject *)ep);
+        }
+        Py_XDECREF(r);
+    }
+    run_close_callback(ep);
+}
+
+/* ---- argument helpers --------------------------------------------------- */
+
+static int
+endpoint_check_send(EndpointObject *ep)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)ep);
+
+    if (ucxx_worker_check(ep->worker) < 0) {
+        return -1;
+    }
+    if (ep->error != UCS_OK) {
+        ucxx_raise_status(st, ep->error, "endpoint failed");
+        return -1;
+    }
+    if (ep->closed || ep->handle == NULL) {
+        ucxx_raise(st, UCXX_EXC_CLOSE, "Endpoint is closed");
+        return -1;
+    }
+    return 0;
+}
+
+static int
+endpoint_check_recv(EndpointObject *ep)
+{
+    if (ucxx_worker_check(ep->worker) < 0) {
+        return -1;
+    }
+    /* A failed endpoint may still receive what had already arrived. */
+    if (ep->closed && ep->error == UCS_OK) {
+        ucxx_raise(ucxx_state_of((PyObject *)ep), UCXX_EXC_CLOSE,
+                   "Endpoint is closed");
+        return -1;
+    }
+    return 0;
+}
+
+/* (buf, tag=None, force_tag=False) -> the tag to use. */
+static int
+parse_msg_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
+               const char *name, ucp_tag_t base, int nbuf, PyObject **first,
+               ucp_tag_t *tag)
+{
+    PyObject *tag_obj = Py_None, *force_obj = Py_False;
+    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    int force;
+
+    if (nargs < nbuf || nargs > nbuf + 2) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %d to %d positional "
+                     "arguments (%zd given)", name, nbuf, nbuf + 2, nargs);
+        return -1;
+    }
+    *first = args[0];
+    if (nargs > nbuf) {
+        tag_obj = args[nbuf];
+    }
+    if (nargs > nbuf + 1) {
+        force_obj = args[nbuf + 1];
+    }
+    for (Py_ssize_t i = 0; i < nkw; i++) {
+        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        if (PyUnicode_CompareWithASCIIString(k, "tag") == 0) {
+            tag_obj = args[nargs + i];
+        } else if (PyUnicode_CompareWithASCIIString(k, "force_tag") == 0) {
+            force_obj = args[nargs + i];
+        } else {
+            PyErr_Format(PyExc_TypeError,
+                         "%s() got an unexpected keyword argument %R", name, k);
+            return -1;
+        }
+    }
+    if (tag_obj == Py_None) {
+        *tag = base;
+        return 0;
+    }
+    force = PyObject_IsTrue(force_obj);
+    if (force < 0) {
+        return -1;
+    }
+    if (force) {
+        return ucxx_tag_from_obj(tag_obj, tag);
+    }
+    if (!PyLong_Check(tag_obj)) {
+        PyErr_Format(PyExc_TypeError, "tag must be an int, not '%.100s'",
+                     Py_TYPE(tag_obj)->tp_name);
+        return -1;
+    }
+    {
+        /* Any int: its low 64 bits (two's complement) mixed with base. */
+        uint64_t v = (uint64_t)PyLong_AsUnsignedLongLongMask(tag_obj);
+        if (v == (uint64_t)-1 && PyErr_Occurred()) {
+            return -1;
+        }
+        *tag = base ^ mix64(v);
+    }
+    return 0;
+}
+
+/* ---- transfers ---------------------------------------------------------- */
+
+PyDoc_STRVAR(Endpoint_send_doc,
+"send($self, buf, tag=None, force_tag=False)\n--\n\n"
+"Tagged send. tag None: send_tag; else tag mixed with send_tag unless\n"
+"force_tag. Returns an awaitable Request.");
+
+static PyObject *
+Endpoint_send(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+              PyObject *kwnames)
+{
+    PyObject *buf;
+    ucp_tag_t tag;
+
+    if (parse_msg_args(args, PyVectorcall_NARGS(nargsf), kwnames, "send",
+                       ep->send_tag, 1, &buf, &tag) < 0 ||
+        endpoint_check_send(ep) < 0) {
+        return NULL;
+    }
+    return ucxx_request_post_send(ep, buf, tag);
+}
+
+PyDoc_STRVAR(Endpoint_recv_doc,
+"recv($self, buf, tag=None, force_tag=False)\n--\n\n"
+"Tagged receive (full mask) on recv_tag, or the mixed/forced tag.\n"
+"Await returns the number of bytes received.");
+
+static PyObject *
+Endpoint_recv(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+              PyObject *kwnames)
+{
+    PyObject *buf;
+    ucp_tag_t tag;
+
+    if (parse_msg_args(args, PyVectorcall_NARGS(nargsf), kwnames, "recv",
+                       ep->recv_tag, 1, &buf, &tag) < 0 ||
+        endpoint_check_recv(ep) < 0) {
+        return NULL;
+    }
+    return ucxx_request_post_recv(ep->worker, ep, buf, tag,
+                                  UCXX_TAG_MASK_FULL);
+}
+
+PyDoc_STRVAR(Endpoint_tag_send_doc,
+"tag_send($self, buf, tag, /)\n--\n\nTagged send with an explicit tag.");
+
+static PyObject *
+Endpoint_tag_send(EndpointObject *ep, PyObject *const *args, Py_ssize_t nargs)
+{
+    ucp_tag_t tag;
+
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "tag_send(buf, tag)");
+        return NULL;
+    }
+    if (ucxx_tag_from_obj(args[1], &tag) < 0 || endpoint_check_send(ep) < 0) {
+        return NULL;
+    }
+    return ucxx_request_post_send(ep, args[0], tag);
+}
+
+PyDoc_STRVAR(Endpoint_tag_recv_doc,
+"tag_recv($self, buf, tag, mask=0xFFFFFFFFFFFFFFFF, /)\n--\n\n"
+"Tagged receive tracked by this endpoint.");
+
+static PyObject *
+Endpoint_tag_recv(EndpointObject *ep, PyObject *const *args, Py_ssize_t nargs)
+{
+    ucp_tag_t tag, mask = UCXX_TAG_MASK_FULL;
+
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "tag_recv(buf, tag, mask=...)");
+        return NULL;
+    }
+    if (ucxx_tag_from_obj(args[1], &tag) < 0 ||
+        (nargs == 3 && ucxx_tag_from_obj(args[2], &mask) < 0) ||
+        endpoint_check_recv(ep) < 0) {
+        return NULL;
+    }
+    return ucxx_request_post_recv(ep->worker, ep, args[0], tag, mask);
+}
+
+PyDoc_STRVAR(Endpoint_stream_send_doc,
+"stream_send($self, buf, /)\n--\n\nStream API send.");
+
+static PyObject *
+Endpoint_stream_send(EndpointObject *ep, PyObject *buf)
+{
+    if (endpoint_check_send(ep) < 0) {
+        return NULL;
+    }
+    return ucxx_request_post_stream(ep, buf, 0);
+}
+
+PyDoc_STRVAR(Endpoint_stream_recv_doc,
+"stream_recv($self, buf, /)\n--\n\nStream API receive of exactly len(buf)"
+" bytes.");
+
+static PyObject *
+Endpoint_stream_recv(EndpointObject *ep, PyObject *buf)
+{
+    if (endpoint_check_send(ep) < 0) {
+        return NULL;
+    }
+    return ucxx_request_post_stream(ep, buf, 1);
+}
+
+static PyObject *
+gather(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+       PyObject *kwnames, int recv)
+{
+    PyObject *bufs;
+    ucp_tag_t tag;
+
+    if (parse_msg_args(args, PyVectorcall_NARGS(nargsf), kwnames,
+                       recv ? "gather_recv" : "gather_send",
+                       recv ? ep->recv_tag : ep->send_tag, 1, &bufs,
+                       &tag) < 0) {
+        return NULL;
+    }
+    if ((recv ? endpoint_check_recv(ep) : endpoint_check_send(ep)) < 0) {
+        return NULL;
+    }
+    return ucxx_gather(ep, bufs, tag, recv);
+}
+
+PyDoc_STRVAR(Endpoint_gather_send_doc,
+"gather_send($self, buffers, tag=None, force_tag=False)\n--\n\n"
+"One tagged send per buffer, posted in order in one call; one Request.");
+
+static PyObject *
+Endpoint_gather_send(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+                     PyObject *kwnames)
+{
+    return gather(ep, args, nargsf, kwnames, 0);
+}
+
+PyDoc_STRVAR(Endpoint_gather_recv_doc,
+"gather_recv($self, buffers, tag=None, force_tag=False)\n--\n\n"
+"One tagged receive per buffer, posted in order in one call; a size\n"
+"mismatch raises UCXMessageTruncatedError (first error wins).");
+
+static PyObject *
+Endpoint_gather_recv(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+                     PyObject *kwnames)
+{
+    return gather(ep, args, nargsf, kwnames, 1);
+}
+
+PyDoc_STRVAR(Endpoint_am_send_doc,
+"am_send($self, buf, /)\n--\n\nActive message send.");
+
+static PyObject *
+Endpoint_am_send(EndpointObject *ep, PyObject *buf)
+{
+    if (endpoint_check_send(ep) < 0) {
+        return NULL;
+    }
+    return ucxx_am_send(ep, buf);
+}
+
+PyDoc_STRVAR(Endpoint_am_recv_doc,
+"am_recv($self, /)\n--\n\nNext active message from this endpoint.");
+
+static PyObject *
+Endpoint_am_recv(EndpointObject *ep, PyObject *unused)
+{
+    if (endpoint_check_recv(ep) < 0) {
+        return NULL;
+    }
+    return ucxx_am_recv(ep);
+}
+
+/* ---- close -------------------------------------------------------------- */
+
+PyDoc_STRVAR(Endpoint_close_doc,
+"close($self, /)\n--\n\n"
+"Graceful (flush) close; returns an awaitable. Pending receives fail with\n"
+"UCXCanceledError. Idempotent.");
+
+static PyObject *
+Endpoint_close(EndpointObject *ep, PyObject *unused)
+{
+    RequestObject *r;
+
+    if (ep->close_req != NULL) {
+        return Py_NewRef(ep->close_req);
+    }
+    if (!ep->closed) {
+        ep->closed = 1;
+        cancel_tracked(ep, UCS_ERR_CANCELED);
+    }
+    ucxx_list_del(&ep->wlink);
+    r = ep_close_handle(ep, 0);
+    if (r == NULL) {
+        return NULL;
+    }
+    ep->close_req = Py_NewRef(r);
+    ucxx_am_discard(ep);
+    run_close_callback(ep);
+    if (ep->worker->handle != NULL) {
+        ucxx_worker_dispatch(ep->worker);
+    }
+    return (PyObject *)r;
+}
+
+PyDoc_STRVAR(Endpoint_abort_doc,
+"abort($self, /)\n--\n\nImmediate (force) close. Idempotent.");
+
+static PyObject *
+Endpoint_abort(EndpointObject *ep, PyObject *unused)
+{
+    ucxx_endpoint_abort_now(ep, UCS_ERR_CANCELED);
+    if (ep->worker->handle != NULL) {
+        ucxx_worker_dispatch(ep->worker);
+    }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Endpoint_set_close_callback_doc,
+"set_close_callback($self, callback, /)\n--\n\n"
+"callback() is called once, from the loop, when the endpoint closes or\n"
+"fails. None removes it.");
+
+static PyObject *
+Endpoint_set_close_callback(EndpointObject *ep, PyObject *cb)
+{
+    if (cb != Py_None && !PyCallable_Check(cb)) {
+        PyErr_SetString(PyExc_TypeError, "callback must be callable or None");
+        return NULL;
+    }
+    Py_XSETREF(ep->close_cb, cb == Py_None ? NULL : Py_NewRef(cb));
+    if (ep->close_cb_done && ep->close_cb != NULL) {
+        /* Already closed: run it now (from the loop). */
+        ep->close_cb_done = 0;
+        run_close_callback(ep);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- getters ------------------------------------------------------------ */
+
+static PyObject *
+Endpoint_get_alive(EndpointObject *ep, void *closure)
+{
+    return PyBool_FromLong(ep->handle != NULL && ep->error == UCS_OK &&
+                           !ep->closed);
+}
+
+static PyObject *
+Endpoint_get_closed(EndpointObject *ep, void *closure)
+{
+    return PyBool_FromLong(ep->closed || ep->handle == NULL);
+}
+
+static PyObject *
+Endpoint_get_handle(EndpointObject *ep, void *closure)
+{
+    return PyLong_FromVoidPtr(ep->handle);
+}
+
+static PyObject *
+Endpoint_get_uid(EndpointObject *ep, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(ep->uid);
+}
+
+static PyObject *
+Endpoint_get_worker(EndpointObject *ep, void *closure)
+{
+    return Py_NewRef(ep->worker);
+}
+
+static PyObject *
+Endpoint_get_error_handling(EndpointObject *ep, void *closure)
+{
+    return PyBool_FromLong(ep->error_handling);
+}
+
+static PyObject *
+Endpoint_get_error(EndpointObject *ep, void *closure)
+{
+    if (ep->error == UCS_OK) {
+        Py_RETURN_NONE;
+    }
+    return ucxx_status_exc(ucxx_state_of((PyObject *)ep), ep->error, NULL);
+}
+
+static PyObject *
+get_tag(ucp_tag_t t)
+{
+    return PyLong_FromUnsignedLongLong(t);
+}
+
+static int
+set_tag(ucp_tag_t *slot, PyObject *v)
+{
+    if (v == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete a tag");
+        return -1;
+    }
+    return ucxx_tag_from_obj(v, slot);
+}
+
+static PyObject *
+Endpoint_get_send_tag(EndpointObject *ep, void *c)
+{
+    return get_tag(ep->send_tag);
+}
+
+static int
+Endpoint_set_send_tag(EndpointObject *ep, PyObject *v, void *c)
+{
+    return set_tag(&ep->send_tag, v);
+}
+
+static PyObject *
+Endpoint_get_recv_tag(EndpointObject *ep, void *c)
+{
+    return get_tag(ep->recv_tag);
+}
+
+static int
+Endpoint_set_recv_tag(EndpointObject *ep, PyObject *v, void *c)
+{
+    return set_tag(&ep->recv_tag, v);
+}
+
+/* ---- GC ----------------------------------------------------------------- */
+
+static int
+Endpoint_traverse(EndpointObject *ep, visitproc visit, void *arg)
+{
+    Py_VISIT(Py_TYPE(ep));
+    Py_VISIT(ep->worker);
+    Py_VISIT(ep->close_cb);
+    Py_VISIT(ep->close_req);
+    Py_VISIT(ep->am_queue);
+    return 0;
+}
+
+static int
+Endpoint_clear(EndpointObject *ep)
+{
+    Py_CLEAR(ep->close_cb);
+    Py_CLEAR(ep->close_req);
+    Py_CLEAR(ep->am_queue);
+    return 0;
+}
+
+static void
+Endpoint_finalize(EndpointObject *ep)
+{
+    PyObject *exc;
+
+    if (ep->handle == NULL || ep->worker == NULL ||
+        ep->worker->handle == NULL) {
+        return;
+    }
+    exc = PyErr_GetRaisedException_compat();
+    if (PyErr_ResourceWarning((PyObject *)ep, 1, "unclosed %R", ep) < 0) {
+        PyErr_WriteUnraisable((PyObject *)ep);
+    }
+    ucxx_endpoint_abort_now(ep, UCS_ERR_CANCELED);
+    if (exc != NULL) {
+        PyErr_SetRaisedException_compat(exc);
+    }
+}
+
+static void
+Endpoint_dealloc(EndpointObject *ep)
+{
+    PyTypeObject *tp = Py_TYPE(ep);
+
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)ep) < 0) {
+        return;
+    }
+    PyObject_GC_UnTrack(ep);
+    if (ep->weakreflist != NULL) {
+        PyObject_ClearWeakRefs((PyObject *)ep);
+    }
+    /* No UCX callback may reach us after this point. */
+    ucxx_list_del(&ep->wlink);
+    ucxx_list_del(&ep->elink);
+    ucxx_list_del(&ep->alink);
+    if (ep->worker != NULL) {
+        ucxx_am_discard(ep);
+    }
+    Endpoint_clear(ep);
+    Py_CLEAR(ep->worker);
+    tp->tp_free(ep);
+    Py_DECREF(tp);
+}
+
+static PyObject *
+Endpoint_repr(EndpointObject *ep)
+{
+    return PyUnicode_FromFormat("<ucxx.Endpoint uid=%llx %s>",
+                                (unsigned long long)ep->uid,
+                                ep->error != UCS_OK ? "failed" :
+                                ep->closed ? "closed" : "open");
+}
+
+#define FASTKW(f) (PyCFunction)(void (*)(void))(f), \
+    METH_FASTCALL | METH_KEYWORDS
+
+static PyMethodDef Endpoint_methods[] = {
+    {"send", FASTKW(Endpoint_send), Endpoint_send_doc},
+    {"recv", FASTKW(Endpoint_recv), Endpoint_recv_doc},
+    {"tag_send", (PyCFunction)(void (*)(void))Endpoint_tag_send,
+     METH_FASTCALL, Endpoint_tag_send_doc},
+    {"tag_recv", (PyCFunction)(void (*)(void))Endpoint_tag_recv,
+     METH_FASTCALL, Endpoint_tag_recv_doc},
+    {"stream_send", (PyCFunction)Endpoint_stream_send, METH_O,
+     Endpoint_stream_send_doc},
+    {"stream_recv", (PyCFunction)Endpoint_stream_recv, METH_O,
+     Endpoint_stream_recv_doc},
+    {"gather_send", FASTKW(Endpoint_gather_send), Endpoint_gather_send_doc},
+    {"gather_recv", FASTKW(Endpoint_gather_recv), Endpoint_gather_recv_doc},
+    {"am_send", (PyCFunction)Endpoint_am_send, METH_O, Endpoint_am_send_doc},
+    {"am_recv", (PyCFunction)Endpoint_am_recv, METH_NOARGS,
+     Endpoint_am_recv_doc},
+    {"close", (PyCFunction)Endpoint_close, METH_NOARGS, Endpoint_close_doc},
+    {"abort", (PyCFunction)Endpoint_abort, METH_NOARGS, Endpoint_abort_doc},
+    {"set_close_callback", (PyCFunction)Endpoint_set_close_callback, METH_O,
+     Endpoint_set_close_callback_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Endpoint_getset[] = {
+    {"alive", (getter)Endpoint_get_alive, NULL, "Open and not failed.", NULL},
+    {"closed", (getter)Endpoint_get_closed, NULL, "Closed or failed.", NULL},
+    {"handle", (getter)Endpoint_get_handle, NULL, "ucp_ep_h as int.", NULL},
+    {"uid", (getter)Endpoint_get_uid, NULL, "Unique id.", NULL},
+    {"worker", (getter)Endpoint_get_worker, NULL, "The Worker.", NULL},
+    {"error_handling", (getter)Endpoint_get_error_handling, NULL,
+     "Peer error handling in effect.", NULL},
+    {"error", (getter)Endpoint_get_error, NULL,
+     "The peer error as an exception instance, or None.", NULL},
+    {"send_tag", (getter)Endpoint_get_send_tag, (setter)Endpoint_set_send_tag,
+     "Tag of send() when tag is None.", NULL},
+    {"recv_tag", (getter)Endpoint_get_recv_tag, (setter)Endpoint_set_recv_tag,
+     "Tag of recv() when tag is None.", NULL},
+    {NULL},
+};
+
+static PyMemberDef Endpoint_members[] = {
+    {"__weaklistoffset__", T_PYSSIZET, offsetof(EndpointObject, weakreflist),
+     READONLY},
+    {NULL},
+};
+
+PyDoc_STRVAR(Endpoint_doc,
+"A UCX endpoint. Created by Worker.ep_from_address/ep_from_sockaddr or a\n"
+"Listener, never directly.");
+
+static PyType_Slot Endpoint_slots[] = {
+    {Py_tp_doc, (void *)Endpoint_doc},
+    {Py_tp_dealloc, Endpoint_dealloc},
+    {Py_tp_finalize, Endpoint_finalize},
+    {Py_tp_traverse, Endpoint_traverse},
+    {Py_tp_clear, Endpoint_clear},
+    {Py_tp_methods, Endpoint_methods},
+    {Py_tp_getset, Endpoint_getset},
+    {Py_tp_members, Endpoint_members},
+    {Py_tp_repr, Endpoint_repr},
+    {0, NULL},
+};
+
+PyType_Spec ucxx_endpoint_spec = {
+    .name = "ucxx._ucxx.Endpoint",
+    .basicsize = sizeof(EndpointObject),
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+             Py_TPFLAGS_DISALLOW_INSTANTIATION,
+    .slots = Endpoint_slots,
+};
