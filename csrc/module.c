@@ -98,8 +98,11 @@ module_exec(PyObject *m)
     st->CancelledError = PyObject_GetAttrString(asyncio, "CancelledError");
     st->InvalidStateError = PyObject_GetAttrString(asyncio,
                                                    "InvalidStateError");
+    st->Handle = PyObject_GetAttrString(asyncio, "Handle");
+    st->BaseEventLoop = PyObject_GetAttrString(asyncio, "BaseEventLoop");
     if (st->get_running_loop == NULL || st->CancelledError == NULL ||
-        st->InvalidStateError == NULL) {
+        st->InvalidStateError == NULL || st->Handle == NULL ||
+        st->BaseEventLoop == NULL) {
         goto error;
     }
     st->ResourceWarning_ = PyExc_ResourceWarning;
@@ -170,6 +173,8 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->get_running_loop);
     Py_VISIT(st->CancelledError);
     Py_VISIT(st->InvalidStateError);
+    Py_VISIT(st->Handle);
+    Py_VISIT(st->BaseEventLoop);
     return 0;
 }
 
@@ -190,6 +195,8 @@ module_clear(PyObject *m)
     Py_CLEAR(st->get_running_loop);
     Py_CLEAR(st->CancelledError);
     Py_CLEAR(st->InvalidStateError);
+    Py_CLEAR(st->Handle);
+    Py_CLEAR(st->BaseEventLoop);
     Py_CLEAR(st->s_create_future);
     Py_CLEAR(st->s_create_task);
     Py_CLEAR(st->s_set_result);

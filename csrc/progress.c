@@ -63,7 +63,7 @@ Progress_am_send(ProgressObject *p, PyObject *arg, PyObject **presult)
         *presult = Py_NewRef(Py_None);
         return PYGEN_NEXT;
     }
-    rc = ucxx_worker_arm(w);
+    rc = ucxx_worker_arm(w, 0);
     if (rc < 0) {
         *presult = NULL;
         return PYGEN_ERROR;

@@ -464,7 +464,7 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
         /* About to give the loop control: leave the worker armed so the
          * loop's poll sees the next event (the progress invariant). */
         if (w->mode == UCXX_MODE_BLOCKING && !w->armed && w->handle != NULL) {
-            if (ucxx_worker_arm(w) < 0) {
+            if (ucxx_worker_arm(w, 0) < 0) {
                 Py_DECREF(loop);
                 *presult = NULL;
                 return PYGEN_ERROR;

@@ -87,6 +87,8 @@ typedef struct {
     PyObject *CancelledError;          /* strong: asyncio.CancelledError */
     PyObject *InvalidStateError;       /* strong: asyncio.InvalidStateError */
     PyObject *ResourceWarning_;        /* borrowed: builtin */
+    PyObject *Handle;                  /* strong: asyncio.Handle */
+    PyObject *BaseEventLoop;           /* strong: asyncio.BaseEventLoop */
     /* interned method / attribute names */
     PyObject *s_create_future;
     PyObject *s_create_task;
@@ -161,6 +163,7 @@ struct WorkerObject {
     int armed;                   /* ucp_worker_arm succeeded, no UCX call since */
     int rearm_scheduled;         /* a rearm callback is in loop's ready queue */
     int dispatching;             /* re-entrancy guard for dispatch */
+    int ndispatched;             /* requests dispatched since _on_efd reset */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     PyObject *loop;              /* strong: attached event loop or NULL */
     PyObject *task;              /* strong: the progress Task on loop */
@@ -168,6 +171,9 @@ struct WorkerObject {
     PyObject *waiter;            /* strong: future the coroutine waits on */
     PyObject *rearm_cb;          /* strong: bound method _rearm (cycle via self,
                                     broken in clear) */
+    PyObject *rearm_handle;      /* strong: a reusable asyncio.Handle of
+                                    rearm_cb (stdlib loops), or NULL */
+    PyObject *ready_append;      /* strong: loop._ready.append, or NULL */
     ucxx_link pending;           /* RequestObject.wlink: requests UCX holds */
     ucxx_link endpoints;         /* EndpointObject.wlink: borrowed, open eps */
     ucxx_link listeners;         /* ListenerObject.wlink: borrowed */
@@ -303,7 +309,7 @@ int ucxx_worker_check(WorkerObject *w);
 void ucxx_worker_touched(WorkerObject *w);
 int ucxx_worker_dispatch(WorkerObject *w);
 unsigned ucxx_worker_drain(WorkerObject *w, unsigned budget);
-int ucxx_worker_arm(WorkerObject *w);
+int ucxx_worker_arm(WorkerObject *w, int drained);
 int ucxx_worker_attach(WorkerObject *w, PyObject *loop);
 void ucxx_worker_detach(WorkerObject *w);
 void ucxx_worker_queue_done(WorkerObject *w, RequestObject *r);

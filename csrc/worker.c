@@ -18,7 +18,7 @@
 
 /* Progress calls per drain before yielding to the loop. */
 #define UCXX_DRAIN_BUDGET 1024
-#define UCXX_DEFAULT_POLL_SPIN_US 0.0
+#define UCXX_DEFAULT_POLL_SPIN_US 100.0
 
 static void
 unraisable(PyObject *obj)
@@ -66,6 +66,7 @@ ucxx_worker_dispatch(WorkerObject *w)
             r->next_done = NULL;
             ucxx_request_dispatch(r);
             n++;
+            w->ndispatched++;
         } else if (!ucxx_list_empty(&w->errored)) {
             EndpointObject *ep = UCXX_CONTAINER(w->errored.next,
                                                 EndpointObject, elink);
@@ -108,16 +109,18 @@ ucxx_worker_drain(WorkerObject *w, unsigned budget)
     return 0;
 }
 
-/* DRAIN + ARM.  0: armed; 1: budget spent, call again; -1: error set. */
+/* DRAIN (unless the caller just did) + ARM.
+ * 0: armed; 1: budget spent, call again; -1: error set. */
 int
-ucxx_worker_arm(WorkerObject *w)
+ucxx_worker_arm(WorkerObject *w, int drained)
 {
     ucs_status_t status;
 
     for (int i = 0; i < 64; i++) {
-        if (ucxx_worker_drain(w, UCXX_DRAIN_BUDGET)) {
+        if (!drained && ucxx_worker_drain(w, UCXX_DRAIN_BUDGET)) {
             return 1;
         }
+        drained = 0;
         status = ucp_worker_arm(w->handle);
         if (status == UCS_OK) {
             w->armed = 1;
@@ -153,13 +156,28 @@ ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg)
     return 0;
 }
 
+/*
+ * Queue _rearm to run before the loop's next blocking poll.  On the stdlib
+ * loops the same Handle is appended to loop._ready (what call_soon does,
+ * minus creating a Handle each time: this runs once per message); other
+ * loops (uvloop) get loop.call_soon.
+ */
 static void
 schedule_rearm(WorkerObject *w)
 {
+    int rc;
+
     if (w->rearm_scheduled || w->loop == NULL) {
         return;
     }
-    if (ucxx_call_soon(w, w->rearm_cb, NULL) < 0) {
+    if (w->ready_append != NULL) {
+        PyObject *res = PyObject_CallOneArg(w->ready_append, w->rearm_handle);
+        rc = res == NULL ? -1 : 0;
+        Py_XDECREF(res);
+    } else {
+        rc = ucxx_call_soon(w, w->rearm_cb, NULL);
+    }
+    if (rc < 0) {
         /* The loop is closed: nobody will poll the fd any more. */
         PyErr_Clear();
         return;
@@ -180,14 +198,14 @@ ucxx_worker_touched(WorkerObject *w)
 
 /* Drain and arm from the loop; reschedule if the drain budget ran out. */
 static void
-worker_service(WorkerObject *w)
+worker_service(WorkerObject *w, int drained)
 {
     int rc;
 
     if (w->handle == NULL) {
         return;
     }
-    rc = ucxx_worker_arm(w);
+    rc = ucxx_worker_arm(w, drained);
     if (rc < 0) {
         unraisable((PyObject *)w);
     } else if (rc == 1) {
@@ -196,13 +214,27 @@ worker_service(WorkerObject *w)
 }
 
 PyDoc_STRVAR(Worker_on_efd_doc,
-"_on_efd($self, /)\n--\n\nEvent-fd reader: drain and re-arm.");
+"_on_efd($self, /)\n--\n\nEvent-fd reader: drain, then re-arm.");
 
 static PyObject *
 Worker_on_efd(WorkerObject *w, PyObject *unused)
 {
+    if (w->handle == NULL) {
+        Py_RETURN_NONE;
+    }
     w->armed = 0;
-    worker_service(w);
+    w->ndispatched = 0;
+    if (ucxx_worker_drain(w, UCXX_DRAIN_BUDGET)) {
+        schedule_rearm(w);
+        Py_RETURN_NONE;
+    }
+    if (w->ndispatched > 0 && w->ready_append != NULL) {
+        /* Tasks were woken: arm after they ran (they usually post and
+         * re-arm themselves), keeping the arm off the wakeup path. */
+        schedule_rearm(w);
+    } else {
+        worker_service(w, 1);
+    }
     Py_RETURN_NONE;
 }
 
@@ -214,7 +246,7 @@ Worker_rearm(WorkerObject *w, PyObject *unused)
 {
     w->rearm_scheduled = 0;
     if (!w->armed) {
-        worker_service(w);
+        worker_service(w, 0);
     }
     Py_RETURN_NONE;
 }
@@ -251,6 +283,8 @@ ucxx_worker_detach(WorkerObject *w)
     w->task = NULL;
     w->waiter = NULL;
     Py_CLEAR(w->coro);
+    Py_CLEAR(w->rearm_handle);
+    Py_CLEAR(w->ready_append);
     w->armed = 0;
     w->rearm_scheduled = 0;
     closed = loop_is_closed(st, loop);
@@ -297,6 +331,22 @@ ucxx_worker_attach(WorkerObject *w, PyObject *loop)
     ucxx_worker_detach(w);
     w->loop = Py_NewRef(loop);
     w->thread_id = PyThread_get_thread_ident();
+    if (PyObject_IsInstance(loop, st->BaseEventLoop) == 1) {
+        PyObject *ready = PyObject_GetAttrString(loop, "_ready");
+
+        if (ready != NULL) {
+            w->ready_append = PyObject_GetAttrString(ready, "append");
+            Py_DECREF(ready);
+        }
+        if (w->ready_append != NULL) {
+            w->rearm_handle = PyObject_CallFunction(st->Handle, "O()O",
+                                                    w->rearm_cb, loop);
+        }
+        if (w->rearm_handle == NULL) {
+            Py_CLEAR(w->ready_append);
+        }
+        PyErr_Clear();
+    }
     if (w->mode == UCXX_MODE_BLOCKING) {
         PyObject *on_efd = PyObject_GetAttrString((PyObject *)w, "_on_efd");
 
@@ -947,6 +997,8 @@ Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
     Py_VISIT(w->coro);
     Py_VISIT(w->waiter);
     Py_VISIT(w->rearm_cb);
+    Py_VISIT(w->rearm_handle);
+    Py_VISIT(w->ready_append);
     Py_VISIT(w->am_allocators);
     return 0;
 }
@@ -959,6 +1011,8 @@ Worker_clear(WorkerObject *w)
     Py_CLEAR(w->waiter);
     Py_CLEAR(w->loop);
     Py_CLEAR(w->rearm_cb);
+    Py_CLEAR(w->rearm_handle);
+    Py_CLEAR(w->ready_append);
     Py_CLEAR(w->am_allocators);
     return 0;
 }
