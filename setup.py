@@ -3,7 +3,7 @@
 UCX is found, in order, from ``UCX_HOME``, ``pkg-config ucx`` or the
 ``libucx`` package of the ``libucx-cu12`` wheel (a build requirement).
 ``UCXX_SANITIZE=1`` builds with ASan + UBSan (debug, no optimisation);
-``UCXX_WERROR=1`` turns warnings into errors (CI sets it).
+``UCXX_WERROR=1`` (or ``CI=true``) turns warnings into errors.
 """
 
 import glob
@@ -40,7 +40,7 @@ include_dirs, library_dirs = ucx_paths()
 extra_compile_args = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                       "-Wno-missing-field-initializers"]
 extra_link_args = []
-if os.environ.get("UCXX_WERROR", "0") == "1":
+if os.environ.get("UCXX_WERROR", "0") == "1" or os.environ.get("CI") == "true":
     extra_compile_args.append("-Werror")
 if os.environ.get("UCXX_SANITIZE", "0") == "1":
     san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
