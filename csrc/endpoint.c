@@ -226,8 +226,9 @@ endpoint_check_recv(EndpointObject *ep)
     if (ucxx_worker_check(ep->worker) < 0) {
         return -1;
     }
-    /* A failed endpoint may still receive what had already arrived. */
-    if (ep->closed && ep->error == UCS_OK) {
+    /* A failed endpoint, or one the peer closed, may still receive what
+     * had already arrived. */
+    if (ep->closed && ep->error == UCS_OK && !ep->peer_closed) {
         ucxx_raise(ucxx_state_of((PyObject *)ep), UCXX_EXC_CLOSE,
                    "Endpoint is closed");
         return -1;
@@ -515,6 +516,19 @@ Endpoint_abort(EndpointObject *ep, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(Endpoint_close_by_peer_doc,
+"_close_by_peer($self, /)\n--\n\n"
+"The peer announced its close: abort, fail pending receives with\n"
+"UCXCanceledError; later receives still match messages that had already\n"
+"arrived, and fail at once otherwise.");
+
+static PyObject *
+Endpoint_close_by_peer(EndpointObject *ep, PyObject *unused)
+{
+    ep->peer_closed = 1;
+    return Endpoint_abort(ep, NULL);
+}
+
 PyDoc_STRVAR(Endpoint_set_close_callback_doc,
 "set_close_callback($self, callback, /)\n--\n\n"
 "callback() is called once, from the loop, when the endpoint closes or\n"
@@ -537,6 +551,12 @@ Endpoint_set_close_callback(EndpointObject *ep, PyObject *cb)
 }
 
 /* ---- getters ------------------------------------------------------------ */
+
+static PyObject *
+Endpoint_get_peer_closed(EndpointObject *ep, void *closure)
+{
+    return PyBool_FromLong(ep->peer_closed);
+}
 
 static PyObject *
 Endpoint_get_alive(EndpointObject *ep, void *closure)
@@ -720,6 +740,8 @@ static PyMethodDef Endpoint_methods[] = {
      Endpoint_am_recv_doc},
     {"close", (PyCFunction)Endpoint_close, METH_NOARGS, Endpoint_close_doc},
     {"abort", (PyCFunction)Endpoint_abort, METH_NOARGS, Endpoint_abort_doc},
+    {"_close_by_peer", (PyCFunction)Endpoint_close_by_peer, METH_NOARGS,
+     Endpoint_close_by_peer_doc},
     {"set_close_callback", (PyCFunction)Endpoint_set_close_callback, METH_O,
      Endpoint_set_close_callback_doc},
     {NULL, NULL, 0, NULL},
@@ -731,6 +753,8 @@ static PyGetSetDef Endpoint_getset[] = {
     {"handle", (getter)Endpoint_get_handle, NULL, "ucp_ep_h as int.", NULL},
     {"uid", (getter)Endpoint_get_uid, NULL, "Unique id.", NULL},
     {"worker", (getter)Endpoint_get_worker, NULL, "The Worker.", NULL},
+    {"peer_closed", (getter)Endpoint_get_peer_closed, NULL,
+     "The peer announced its close.", NULL},
     {"error_handling", (getter)Endpoint_get_error_handling, NULL,
      "Peer error handling in effect.", NULL},
     {"error", (getter)Endpoint_get_error, NULL,

@@ -92,8 +92,9 @@ ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag, int recv)
     if (r->first_error != UCS_OK && recv) {
         ucxx_request_cancel_ucx(r, r->first_error);
     }
-    if (recv && ep->error != UCS_OK && r->npending) {
-        ucxx_request_cancel_ucx(r, ep->error);
+    if (recv && (ep->error != UCS_OK || ep->peer_closed) && r->npending) {
+        ucxx_request_cancel_ucx(r, ep->error != UCS_OK ? ep->error
+                                                       : UCS_ERR_CANCELED);
     }
     ucxx_request_finish_posting(r);
     ucxx_worker_dispatch(w);

@@ -325,8 +325,10 @@ ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
     ucxx_request_track(r, &r->op1, sp);
     /* A receive on a failed endpoint that did not match a message that had
      * already arrived can never complete: fail it with the peer's error. */
-    if (ep != NULL && ep->error != UCS_OK && r->npending) {
-        ucxx_request_cancel_ucx(r, ep->error);
+    if (ep != NULL && (ep->error != UCS_OK || ep->peer_closed) &&
+        r->npending) {
+        ucxx_request_cancel_ucx(r, ep->error != UCS_OK ? ep->error
+                                                       : UCS_ERR_CANCELED);
     }
     ucxx_request_finish_posting(r);
     ucxx_worker_dispatch(w);

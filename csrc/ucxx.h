@@ -247,6 +247,7 @@ struct EndpointObject {
     ucs_status_t error;          /* peer error status, UCS_OK if none */
     int close_cb_done;           /* close callback already scheduled */
     int poisoned;                /* a gather failed/cancelled mid-stream */
+    int peer_closed;             /* the peer said it closed (_close_by_peer) */
     PyObject *close_cb;          /* strong */
     PyObject *close_req;         /* strong: the Request of a graceful close */
     uint64_t uid;
