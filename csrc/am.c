@@ -242,12 +242,14 @@ ucxx_am_discard(EndpointObject *ep)
 {
     ucxx_am_msg *m;
 
+    ucxx_lock(ep->worker);
     while ((m = ep->am_raw) != NULL) {
         ep->am_raw = m->next;
         am_release(ep->worker, m);
     }
     ep->am_raw_tail = NULL;
     ucxx_list_del(&ep->alink);
+    ucxx_unlock(ep->worker);
 }
 
 PyObject *
@@ -285,11 +287,13 @@ ucxx_am_send(EndpointObject *ep, PyObject *buf)
     param.flags = UCP_AM_SEND_FLAG_REPLY | UCP_AM_SEND_FLAG_COPY_HEADER |
                   (r->buf1.mem_type == UCS_MEMORY_TYPE_HOST
                        ? 0 : UCP_AM_SEND_FLAG_RNDV);
+    ucxx_lock(w);
     sp = ucp_am_send_nbx(ep->handle, UCXX_AM_ID, &hdr, sizeof(hdr),
                          r->buf1.ptr, r->buf1.len, &param);
     ucxx_worker_touched(w);
     ucxx_request_track(r, &r->op1, sp);
     ucxx_request_finish_posting(r);
+    ucxx_unlock(w);
     return (PyObject *)r;
 }
 

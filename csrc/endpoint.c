@@ -64,6 +64,7 @@ ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
     params->err_handler.cb = ep_err_cb;
     params->err_handler.arg = ep;
     params->user_data = ep;
+    ucxx_lock(w);
     status = ucp_ep_create(w->handle, params, &ep->handle);
     if (status == UCS_ERR_UNREACHABLE && error_handling) {
         /* Transports without peer failure support (shared memory alone):
@@ -73,6 +74,7 @@ ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
         status = ucp_ep_create(w->handle, params, &ep->handle);
     }
     ucxx_worker_touched(w);
+    ucxx_unlock(w);
     if (status != UCS_OK) {
         ep->handle = NULL;
         ep->closed = 1;
@@ -81,7 +83,9 @@ ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
                                                    "ucp_ep_create");
     }
     ep->uid = (uint64_t)(uintptr_t)ep->handle;
+    ucxx_lock(w);
     ucxx_list_add_tail(&w->endpoints, &ep->wlink);
+    ucxx_unlock(w);
     return ep;
 }
 
@@ -163,6 +167,7 @@ ucxx_endpoint_abort_now(EndpointObject *ep, ucs_status_t report)
 {
     RequestObject *r;
 
+    ucxx_lock(ep->worker);
     if (!ep->closed) {
         ep->closed = 1;
         cancel_tracked(ep, report);
@@ -179,9 +184,10 @@ ucxx_endpoint_abort_now(EndpointObject *ep, ucs_status_t report)
         Py_XDECREF(r);
     }
     run_close_callback(ep);
+    ucxx_unlock(ep->worker);
 }
 
-/* Dispatch of a peer error recorded by ep_err_cb. */
+/* Dispatch of a peer error recorded by ep_err_cb (lock held). */
 void
 ucxx_endpoint_report_error(EndpointObject *ep)
 {
@@ -485,21 +491,22 @@ Endpoint_close(EndpointObject *ep, PyObject *unused)
     if (ep->close_req != NULL) {
         return Py_NewRef(ep->close_req);
     }
+    ucxx_lock(ep->worker);
     if (!ep->closed) {
         ep->closed = 1;
         cancel_tracked(ep, UCS_ERR_CANCELED);
     }
     ucxx_list_del(&ep->wlink);
     r = ep_close_handle(ep, 0);
-    if (r == NULL) {
-        return NULL;
+    if (r != NULL) {
+        ep->close_req = Py_NewRef(r);
+        ucxx_am_discard(ep);
+        run_close_callback(ep);
+        if (ep->worker->handle != NULL) {
+            ucxx_worker_dispatch(ep->worker);
+        }
     }
-    ep->close_req = Py_NewRef(r);
-    ucxx_am_discard(ep);
-    run_close_callback(ep);
-    if (ep->worker->handle != NULL) {
-        ucxx_worker_dispatch(ep->worker);
-    }
+    ucxx_unlock(ep->worker);
     return (PyObject *)r;
 }
 
@@ -509,10 +516,12 @@ PyDoc_STRVAR(Endpoint_abort_doc,
 static PyObject *
 Endpoint_abort(EndpointObject *ep, PyObject *unused)
 {
+    ucxx_lock(ep->worker);
     ucxx_endpoint_abort_now(ep, UCS_ERR_CANCELED);
     if (ep->worker->handle != NULL) {
         ucxx_worker_dispatch(ep->worker);
     }
+    ucxx_unlock(ep->worker);
     Py_RETURN_NONE;
 }
 
@@ -698,11 +707,13 @@ Endpoint_dealloc(EndpointObject *ep)
         PyObject_ClearWeakRefs((PyObject *)ep);
     }
     /* No UCX callback may reach us after this point. */
-    ucxx_list_del(&ep->wlink);
-    ucxx_list_del(&ep->elink);
-    ucxx_list_del(&ep->alink);
     if (ep->worker != NULL) {
+        ucxx_lock(ep->worker);
+        ucxx_list_del(&ep->wlink);
+        ucxx_list_del(&ep->elink);
+        ucxx_list_del(&ep->alink);
         ucxx_am_discard(ep);
+        ucxx_unlock(ep->worker);
     }
     Endpoint_clear(ep);
     Py_CLEAR(ep->worker);

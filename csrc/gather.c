@@ -68,6 +68,7 @@ ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag, int recv)
     } else {
         param.cb.send = ucxx_send_cb;
     }
+    ucxx_lock(w);
     for (i = 0; i < n; i++) {
         ucs_status_ptr_t sp;
 
@@ -98,5 +99,6 @@ ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag, int recv)
     }
     ucxx_request_finish_posting(r);
     ucxx_worker_dispatch(w);
+    ucxx_unlock(w);
     return (PyObject *)r;
 }

@@ -62,6 +62,7 @@ ucxx_listener_deliver(ListenerObject *l)
 void
 ucxx_listener_close_now(ListenerObject *l)
 {
+    ucxx_lock(l->worker);
     ucxx_list_del(&l->wlink);
     ucxx_list_del(&l->clink);
     l->conn_queued = 0;
@@ -78,6 +79,7 @@ ucxx_listener_close_now(ListenerObject *l)
     free(l->conns);
     l->conns = NULL;
     l->nconns = l->cap = 0;
+    ucxx_unlock(l->worker);
 }
 
 PyObject *
@@ -126,8 +128,10 @@ ucxx_listener_create(WorkerObject *w, PyObject *cb, int port,
     params.sockaddr.addrlen = sslen;
     params.conn_handler.cb = conn_cb;
     params.conn_handler.arg = l;
+    ucxx_lock(w);
     status = ucp_listener_create(w->handle, &params, &l->handle);
     ucxx_worker_touched(w);
+    ucxx_unlock(w);
     if (status != UCS_OK) {
         l->handle = NULL;
         Py_DECREF(l);
@@ -138,7 +142,9 @@ ucxx_listener_create(WorkerObject *w, PyObject *cb, int port,
         return NULL;
     }
     attr.field_mask = UCP_LISTENER_ATTR_FIELD_SOCKADDR;
+    ucxx_lock(w);
     status = ucp_listener_query(l->handle, &attr);
+    ucxx_unlock(w);
     if (status != UCS_OK) {
         ucxx_listener_close_now(l);
         Py_DECREF(l);
@@ -153,7 +159,9 @@ ucxx_listener_create(WorkerObject *w, PyObject *cb, int port,
         l->port = ntohs(sin6->sin6_port);
         inet_ntop(AF_INET6, &sin6->sin6_addr, l->ip, sizeof(l->ip));
     }
+    ucxx_lock(w);
     ucxx_list_add_tail(&w->listeners, &l->wlink);
+    ucxx_unlock(w);
     return (PyObject *)l;
 }
 

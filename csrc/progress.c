@@ -63,7 +63,8 @@ Progress_am_send(ProgressObject *p, PyObject *arg, PyObject **presult)
         *presult = Py_NewRef(Py_None);
         return PYGEN_NEXT;
     }
-    rc = ucxx_worker_arm(w, 0);
+    /* Thread modes: the thread progresses; we only keep the task alive. */
+    rc = UCXX_THREADED(w) ? 0 : ucxx_worker_arm(w, 0);
     if (rc < 0) {
         *presult = NULL;
         return PYGEN_ERROR;

@@ -176,12 +176,14 @@ ucxx_request_cancel_ucx(RequestObject *r, ucs_status_t report)
     if (w->handle == NULL) {
         return;
     }
+    ucxx_lock(w);
     for (Py_ssize_t i = 0; i < r->nops; i++) {
         if (r->ops[i].ucp_req != NULL) {
             ucp_request_cancel(w->handle, r->ops[i].ucp_req);
         }
     }
     ucxx_worker_touched(w);
+    ucxx_unlock(w);
 }
 
 PyObject *
@@ -316,6 +318,7 @@ ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
     param.cb.recv = ucxx_recv_cb;
     param.recv_info.tag_info = &info;
+    ucxx_lock(w);
     sp = ucp_tag_recv_nbx(w->handle, r->buf1.ptr, r->buf1.len, tag, mask,
                           &param);
     ucxx_worker_touched(w);
@@ -332,6 +335,7 @@ ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
     }
     ucxx_request_finish_posting(r);
     ucxx_worker_dispatch(w);
+    ucxx_unlock(w);
     return (PyObject *)r;
 }
 
@@ -354,10 +358,12 @@ ucxx_request_post_send(EndpointObject *ep, PyObject *buf, ucp_tag_t tag)
     r->nbufs = 1;
     param_init(&param, r, &r->op1, r->buf1.mem_type);
     param.cb.send = ucxx_send_cb;
+    ucxx_lock(w);
     sp = ucp_tag_send_nbx(ep->handle, r->buf1.ptr, r->buf1.len, tag, &param);
     ucxx_worker_touched(w);
     ucxx_request_track(r, &r->op1, sp);
     ucxx_request_finish_posting(r);
+    ucxx_unlock(w);
     return (PyObject *)r;
 }
 
@@ -381,6 +387,7 @@ ucxx_request_post_stream(EndpointObject *ep, PyObject *buf, int recv)
     }
     r->nbufs = 1;
     param_init(&param, r, &r->op1, r->buf1.mem_type);
+    ucxx_lock(w);
     if (recv) {
         param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
         param.flags = UCP_STREAM_RECV_FLAG_WAITALL;
@@ -397,6 +404,7 @@ ucxx_request_post_stream(EndpointObject *ep, PyObject *buf, int recv)
     ucxx_worker_touched(w);
     ucxx_request_track(r, &r->op1, sp);
     ucxx_request_finish_posting(r);
+    ucxx_unlock(w);
     return (PyObject *)r;
 }
 
@@ -419,7 +427,7 @@ request_spin(RequestObject *r)
     double deadline;
     unsigned i = 0;
 
-    if (w->spin_us <= 0 || w->handle == NULL) {
+    if (w->spin_us <= 0 || w->handle == NULL || UCXX_THREADED(w)) {
         return 0;
     }
     ucxx_worker_touched(w);
@@ -546,8 +554,10 @@ Request_throw(RequestObject *r, PyObject *const *args, Py_ssize_t nargs)
     if (r->status == UCS_INPROGRESS && r->kind != UCXX_REQ_SEND &&
         r->kind != UCXX_REQ_GATHER_SEND && r->kind != UCXX_REQ_AM_SEND &&
         r->kind != UCXX_REQ_CLOSE) {
+        ucxx_lock(r->worker);
         ucxx_request_cancel_ucx(r, UCS_ERR_CANCELED);
         ucxx_worker_dispatch(r->worker);
+        ucxx_unlock(r->worker);
     }
     if (PyExceptionInstance_Check(typ)) {
         PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
@@ -603,8 +613,10 @@ Request_cancel(RequestObject *r, PyObject *unused)
         r->kind == UCXX_REQ_CLOSE) {
         Py_RETURN_FALSE;
     }
+    ucxx_lock(r->worker);
     ucxx_request_cancel_ucx(r, UCS_ERR_CANCELED);
     ucxx_worker_dispatch(r->worker);
+    ucxx_unlock(r->worker);
     Py_RETURN_TRUE;
 }
 

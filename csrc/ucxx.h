@@ -18,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <pthread.h>
 /* UCX's UCS_MASK macro trips -Wsign-compare in its own header. */
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wsign-compare"
@@ -150,7 +151,13 @@ typedef struct {
     PyObject *weakreflist;
 } ContextObject;
 
-enum { UCXX_MODE_BLOCKING = 0, UCXX_MODE_POLLING = 1 };
+enum {
+    UCXX_MODE_BLOCKING = 0,
+    UCXX_MODE_POLLING = 1,
+    UCXX_MODE_THREAD = 2,           /* progress thread sleeping on the fd */
+    UCXX_MODE_THREAD_POLLING = 3    /* progress thread polling */
+};
+#define UCXX_THREADED(w) ((w)->mode >= UCXX_MODE_THREAD)
 
 /* Worker: wraps ucp_worker_h and drives it from one event loop at a time. */
 struct WorkerObject {
@@ -182,6 +189,17 @@ struct WorkerObject {
     RequestObject *done_tail;
     ucxx_link errored;           /* EndpointObject.elink: peer errors to report */
     ucxx_link conn_ready;        /* ListenerObject.clink: conn requests queued */
+    /* Thread modes: the progress thread calls UCX with `lock` held; so does
+     * every entry point (always, so that the rule cannot be forgotten).
+     * The lock is recursive: entry points nest. The thread never takes the
+     * GIL, so holding the GIL while waiting for `lock` cannot deadlock. */
+    pthread_mutex_t lock;
+    pthread_t thread;
+    int thread_running;
+    int thread_stop;             /* under lock */
+    int wake_fd;                 /* eventfd: loop thread -> progress thread */
+    int notify_fd;               /* eventfd: progress thread -> loop */
+    int notified;                /* under lock: notify_fd written, not read */
     PyObject *am_allocators;     /* strong: dict mem_type -> callable */
     int am_registered;           /* AM handler installed */
     ucxx_link am_ready;          /* EndpointObject.alink: AM data to deliver */
@@ -315,6 +333,23 @@ int ucxx_worker_attach(WorkerObject *w, PyObject *loop);
 void ucxx_worker_detach(WorkerObject *w);
 void ucxx_worker_queue_done(WorkerObject *w, RequestObject *r);
 int ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg);
+
+static inline void
+ucxx_lock(WorkerObject *w)
+{
+    pthread_mutex_lock(&w->lock);
+}
+
+static inline void
+ucxx_unlock(WorkerObject *w)
+{
+    pthread_mutex_unlock(&w->lock);
+}
+
+/* thread.c */
+int ucxx_thread_start(WorkerObject *w);
+void ucxx_thread_stop(WorkerObject *w);
+void ucxx_thread_wake(WorkerObject *w);
 
 /* progress.c */
 extern PyType_Spec ucxx_progress_spec;

@@ -185,6 +185,7 @@ schedule_rearm(WorkerObject *w)
     w->rearm_scheduled = 1;
 }
 
+/* Called (lock held) after every UCX call made by an entry point. */
 void
 ucxx_worker_touched(WorkerObject *w)
 {
@@ -192,6 +193,8 @@ ucxx_worker_touched(WorkerObject *w)
         w->armed = 0;
         if (w->mode == UCXX_MODE_BLOCKING) {
             schedule_rearm(w);
+        } else if (w->thread_running) {
+            ucxx_thread_wake(w);
         }
     }
 }
@@ -235,6 +238,25 @@ Worker_on_efd(WorkerObject *w, PyObject *unused)
     } else {
         worker_service(w, 1);
     }
+    Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(Worker_on_notify_doc,
+"_on_notify($self, /)\n--\n\nThread modes: deliver what the progress thread\n"
+"queued (one wakeup per batch).");
+
+static PyObject *
+Worker_on_notify(WorkerObject *w, PyObject *unused)
+{
+    uint64_t v;
+
+    if (w->notify_fd >= 0 && read(w->notify_fd, &v, sizeof(v)) < 0) {
+        /* EAGAIN: nothing to read, dispatch anyway */
+    }
+    ucxx_lock(w);
+    w->notified = 0;
+    ucxx_worker_dispatch(w);
+    ucxx_unlock(w);
     Py_RETURN_NONE;
 }
 
@@ -293,6 +315,15 @@ ucxx_worker_detach(WorkerObject *w)
         Py_XDECREF(res);
         PyErr_Clear();
     }
+    if (w->thread_running) {
+        if (!closed) {
+            res = PyObject_CallMethod(loop, "remove_reader", "i",
+                                      w->notify_fd);
+            Py_XDECREF(res);
+            PyErr_Clear();
+        }
+        ucxx_thread_stop(w);
+    }
     if (task != NULL) {
         /* The coroutine sees it is detached and returns on its next step;
          * a task that will never run again must not log at collection. */
@@ -347,14 +378,21 @@ ucxx_worker_attach(WorkerObject *w, PyObject *loop)
         }
         PyErr_Clear();
     }
-    if (w->mode == UCXX_MODE_BLOCKING) {
-        PyObject *on_efd = PyObject_GetAttrString((PyObject *)w, "_on_efd");
+    if (w->mode == UCXX_MODE_BLOCKING || UCXX_THREADED(w)) {
+        int threaded = UCXX_THREADED(w);
+        PyObject *cb = PyObject_GetAttrString(
+            (PyObject *)w, threaded ? "_on_notify" : "_on_efd");
 
-        if (on_efd == NULL) {
+        if (cb == NULL) {
             goto error;
         }
-        res = PyObject_CallMethod(loop, "add_reader", "iO", w->efd, on_efd);
-        Py_DECREF(on_efd);
+        if (threaded && ucxx_thread_start(w) < 0) {
+            Py_DECREF(cb);
+            goto error;
+        }
+        res = PyObject_CallMethod(loop, "add_reader", "iO",
+                                  threaded ? w->notify_fd : w->efd, cb);
+        Py_DECREF(cb);
         if (res == NULL) {
             goto error;
         }
@@ -415,11 +453,15 @@ parse_mode(PyObject *mode_obj, int *mode)
         *mode = UCXX_MODE_BLOCKING;
     } else if (m != NULL && strcmp(m, "polling") == 0) {
         *mode = UCXX_MODE_POLLING;
+    } else if (m != NULL && strcmp(m, "thread") == 0) {
+        *mode = UCXX_MODE_THREAD;
+    } else if (m != NULL && strcmp(m, "thread-polling") == 0) {
+        *mode = UCXX_MODE_THREAD_POLLING;
     } else {
         PyErr_Clear();
         PyErr_Format(PyExc_ValueError,
-                     "unknown progress mode %R (expected 'blocking' or "
-                     "'polling')", mode_obj);
+                     "unknown progress mode %R (expected 'blocking', "
+                     "'polling', 'thread' or 'thread-polling')", mode_obj);
         return -1;
     }
     return 0;
@@ -433,6 +475,10 @@ set_spin(WorkerObject *w, PyObject *v)
     if (v == NULL || v == Py_None) {
         w->spin_us = w->mode == UCXX_MODE_POLLING ? UCXX_DEFAULT_POLL_SPIN_US
                                                   : 0.0;
+        return 0;
+    }
+    if (UCXX_THREADED(w)) {
+        w->spin_us = 0.0; /* the progress thread owns the worker */
         return 0;
     }
     d = PyFloat_AsDouble(v);
@@ -475,7 +521,16 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return NULL;
     }
     w->efd = -1;
+    w->wake_fd = w->notify_fd = -1;
     w->mode = mode;
+    {
+        pthread_mutexattr_t attr;
+
+        pthread_mutexattr_init(&attr);
+        pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_RECURSIVE);
+        pthread_mutex_init(&w->lock, &attr);
+        pthread_mutexattr_destroy(&attr);
+    }
     ucxx_list_init(&w->pending);
     ucxx_list_init(&w->endpoints);
     ucxx_list_init(&w->listeners);
@@ -508,10 +563,10 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
             Py_DECREF(w);
             return ucxx_raise_status(st, status, "ucp_worker_get_efd");
         }
-    } else if (mode == UCXX_MODE_BLOCKING) {
+    } else if (mode == UCXX_MODE_BLOCKING || mode == UCXX_MODE_THREAD) {
         Py_DECREF(w);
         PyErr_SetString(PyExc_ValueError,
-                        "blocking progress mode needs FEATURE_WAKEUP");
+                        "a progress mode that sleeps needs FEATURE_WAKEUP");
         return NULL;
     }
     if ((w->context->features & UCP_FEATURE_AM) && ucxx_am_setup(w) < 0) {
@@ -532,6 +587,7 @@ worker_close_now(WorkerObject *w)
     if (w->handle == NULL) {
         return;
     }
+    ucxx_thread_stop(w);
     /* Listeners first (no new endpoints), then endpoints (their sends fail
      * with UCX errors), then whatever is still pending. */
     while (!ucxx_list_empty(&w->listeners)) {
@@ -608,11 +664,13 @@ Worker_progress(WorkerObject *w, PyObject *unused)
     if (ucxx_worker_check(w) < 0) {
         return NULL;
     }
+    ucxx_lock(w);
     ucxx_worker_touched(w);
     Py_BEGIN_ALLOW_THREADS
     n = ucp_worker_progress(w->handle);
     Py_END_ALLOW_THREADS
     ucxx_worker_dispatch(w);
+    ucxx_unlock(w);
     return PyLong_FromUnsignedLong(n);
 }
 
@@ -628,7 +686,9 @@ Worker_arm(WorkerObject *w, PyObject *unused)
     if (ucxx_worker_check(w) < 0) {
         return NULL;
     }
+    ucxx_lock(w);
     status = ucp_worker_arm(w->handle);
+    ucxx_unlock(w);
     if (status == UCS_ERR_BUSY) {
         Py_RETURN_FALSE;
     }
@@ -677,7 +737,9 @@ Worker_info(WorkerObject *w, PyObject *unused)
     if (f == NULL) {
         return PyErr_SetFromErrno(PyExc_OSError);
     }
+    ucxx_lock(w);
     ucp_worker_print_info(w->handle, f);
+    ucxx_unlock(w);
     fclose(f);
     s = PyUnicode_DecodeUTF8(text, size, "replace");
     free(text);
@@ -905,13 +967,17 @@ Worker_get_address(WorkerObject *w, void *closure)
     if (ucxx_worker_check(w) < 0) {
         return NULL;
     }
+    ucxx_lock(w);
     status = ucp_worker_get_address(w->handle, &addr, &len);
+    ucxx_unlock(w);
     if (status != UCS_OK) {
         return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
                                  "ucp_worker_get_address");
     }
     b = PyBytes_FromStringAndSize((const char *)addr, (Py_ssize_t)len);
+    ucxx_lock(w);
     ucp_worker_release_address(w->handle, addr);
+    ucxx_unlock(w);
     return b;
 }
 
@@ -933,11 +999,13 @@ Worker_get_context(WorkerObject *w, void *closure)
     return Py_NewRef(w->context);
 }
 
+static const char *const mode_names[] = {"blocking", "polling", "thread",
+                                         "thread-polling"};
+
 static PyObject *
 Worker_get_mode(WorkerObject *w, void *closure)
 {
-    return PyUnicode_FromString(w->mode == UCXX_MODE_BLOCKING ? "blocking"
-                                                              : "polling");
+    return PyUnicode_FromString(mode_names[w->mode]);
 }
 
 static PyObject *
@@ -1050,6 +1118,7 @@ Worker_dealloc(WorkerObject *w)
     worker_close_now(w);
     Worker_clear(w);
     Py_CLEAR(w->context);
+    pthread_mutex_destroy(&w->lock);
     tp->tp_free(w);
     Py_DECREF(tp);
 }
@@ -1057,9 +1126,7 @@ Worker_dealloc(WorkerObject *w)
 static PyObject *
 Worker_repr(WorkerObject *w)
 {
-    return PyUnicode_FromFormat("<ucxx.Worker %s%s>",
-                                w->mode == UCXX_MODE_BLOCKING ? "blocking"
-                                                              : "polling",
+    return PyUnicode_FromFormat("<ucxx.Worker %s%s>", mode_names[w->mode],
                                 w->handle == NULL ? " closed" : "");
 }
 
@@ -1085,6 +1152,8 @@ static PyMethodDef Worker_methods[] = {
      Worker_register_am_allocator_doc},
     {"_on_efd", (PyCFunction)Worker_on_efd, METH_NOARGS, Worker_on_efd_doc},
     {"_rearm", (PyCFunction)Worker_rearm, METH_NOARGS, Worker_rearm_doc},
+    {"_on_notify", (PyCFunction)Worker_on_notify, METH_NOARGS,
+     Worker_on_notify_doc},
     {NULL, NULL, 0, NULL},
 };
 
