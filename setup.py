@@ -58,7 +58,7 @@ ext = Extension(
     include_dirs=include_dirs,
     library_dirs=library_dirs,
     runtime_library_dirs=library_dirs,
-    libraries=["ucp", "ucs"],
+    libraries=["ucp", "ucs", "dl"],
     extra_compile_args=extra_compile_args,
     extra_link_args=extra_link_args,
 )

@@ -5,6 +5,55 @@
  * it with ucxx_buf_release() exactly once.
  */
 #include "ucxx.h"
+#include <dlfcn.h>
+
+/* cuStreamSynchronize from the CUDA driver, loaded on first use only (the
+ * package never touches CUDA at import). */
+typedef int (*cu_stream_sync_t)(void *stream);
+
+static int
+cuda_stream_sync(PyObject *stream_obj)
+{
+    static cu_stream_sync_t sync_fn; /* process-wide: the driver is too */
+    void *stream;
+    int rc;
+
+    if (stream_obj == NULL || stream_obj == Py_None) {
+        return 0;
+    }
+    stream = PyLong_AsVoidPtr(stream_obj);
+    if (stream == NULL && PyErr_Occurred()) {
+        return -1;
+    }
+    if (stream == NULL) {
+        PyErr_SetString(PyExc_ValueError,
+                        "__cuda_array_interface__: stream 0 is disallowed "
+                        "(use 1 for the legacy default stream)");
+        return -1;
+    }
+    if (sync_fn == NULL) {
+        void *lib = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+
+        if (lib != NULL) {
+            sync_fn = (cu_stream_sync_t)dlsym(lib, "cuStreamSynchronize");
+        }
+        if (sync_fn == NULL) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "__cuda_array_interface__ names a stream but the "
+                            "CUDA driver (libcuda.so.1) cannot be loaded");
+            return -1;
+        }
+    }
+    Py_BEGIN_ALLOW_THREADS
+    rc = sync_fn(stream);
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_Format(PyExc_RuntimeError, "cuStreamSynchronize failed (%d)",
+                     rc);
+        return -1;
+    }
+    return 0;
+}
 
 /* Item size from a typestr such as "<f8", "|u1". */
 static int
@@ -30,8 +79,7 @@ typestr_itemsize(PyObject *typestr, Py_ssize_t *itemsize)
 }
 
 /* Parse __cuda_array_interface__ (v2/v3): data, shape, typestr, strides,
- * mask.  The stream, when given, is left to the producer: we document that
- * device buffers must be ready (see docs/DECISIONS.md). */
+ * mask; synchronise the producer's stream when one is named. */
 static int
 cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
 {
@@ -112,6 +160,9 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
     }
     if (b->ptr == NULL && nbytes > 0) {
         PyErr_SetString(PyExc_ValueError, "CUDA array has a NULL pointer");
+        return -1;
+    }
+    if (cuda_stream_sync(PyDict_GetItemString(cai, "stream")) < 0) {
         return -1;
     }
     b->len = (size_t)nbytes;
