@@ -202,6 +202,7 @@ Context_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return ucxx_raise_status(st, status, "ucp_init");
     }
     self->features = features;
+    self->fork_gen = ucxx_fork_generation;
     return (PyObject *)self;
 }
 
@@ -209,7 +210,9 @@ static void
 context_close_now(ContextObject *self)
 {
     if (self->handle != NULL) {
-        ucp_cleanup(self->handle);
+        if (!UCXX_FORKED(self)) {
+            ucp_cleanup(self->handle);
+        }
         self->handle = NULL;
     }
 }
@@ -222,8 +225,11 @@ PyDoc_STRVAR(Context_close_doc,
 static PyObject *
 Context_close(ContextObject *self, PyObject *unused)
 {
-    /* Workers own a strong reference: if our refcount says only the caller
-     * and the method binding hold us, no worker is left. */
+    if (self->nworkers > 0 && !UCXX_FORKED(self)) {
+        return ucxx_raise(ucxx_state_of((PyObject *)self), UCXX_EXC_BASE,
+                          "Context has %zd open worker(s); close them first",
+                          self->nworkers);
+    }
     context_close_now(self);
     Py_RETURN_NONE;
 }

@@ -5,6 +5,14 @@
  */
 #include "ucxx.h"
 
+volatile unsigned long ucxx_fork_generation;
+
+static void
+atfork_child(void)
+{
+    ucxx_fork_generation++;
+}
+
 ucxx_state *
 ucxx_state_from_type(PyTypeObject *tp)
 {
@@ -64,7 +72,12 @@ module_exec(PyObject *m)
 {
     ucxx_state *st = PyModule_GetState(m);
     PyObject *asyncio = NULL, *abc = NULL, *coro = NULL, *res = NULL;
+    static int atfork_registered;
 
+    if (!atfork_registered) {
+        pthread_atfork(NULL, NULL, atfork_child);
+        atfork_registered = 1;
+    }
     if (ucxx_status_init(m, st) < 0) {
         return -1;
     }

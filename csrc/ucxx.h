@@ -148,6 +148,7 @@ typedef struct {
     PyObject *config;            /* strong: dict of the effective config */
     uint64_t features;
     Py_ssize_t nworkers;         /* open workers created on this context */
+    unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *weakreflist;
 } ContextObject;
 
@@ -172,6 +173,7 @@ struct WorkerObject {
     int dispatching;             /* re-entrancy guard for dispatch */
     int ndispatched;             /* requests dispatched since _on_efd reset */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
+    unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *loop;              /* strong: attached event loop or NULL */
     PyObject *task;              /* strong: the progress Task on loop */
     PyObject *coro;              /* strong: the ProgressCoroutine */
@@ -298,9 +300,15 @@ typedef struct {
 } ListenerObject;
 
 /* module.c */
+/* Bumped in the child after fork(): UCX handles inherited from the parent
+ * must not be used (or destroyed) there.  Process-wide by nature. */
+extern volatile unsigned long ucxx_fork_generation;
 ucxx_state *ucxx_state_of(PyObject *obj);
 ucxx_state *ucxx_state_from_type(PyTypeObject *tp);
 extern PyModuleDef ucxx_module_def;
+
+/* A handle inherited through fork(): drop it, never call UCX on it. */
+#define UCXX_FORKED(obj) ((obj)->fork_gen != ucxx_fork_generation)
 
 /* status.c: the one place a ucs_status_t becomes a Python exception */
 PyObject *ucxx_status_exc(ucxx_state *st, ucs_status_t status,

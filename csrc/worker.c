@@ -290,6 +290,17 @@ loop_is_closed(ucxx_state *st, PyObject *loop)
     return closed;
 }
 
+static int
+loop_is_running(PyObject *loop)
+{
+    PyObject *res = PyObject_CallMethod(loop, "is_running", NULL);
+    int running = res != NULL && PyObject_IsTrue(res) == 1;
+
+    Py_XDECREF(res);
+    PyErr_Clear();
+    return running;
+}
+
 /* Leave the current loop: remove the reader, let the progress task end. */
 void
 ucxx_worker_detach(WorkerObject *w)
@@ -355,9 +366,16 @@ ucxx_worker_attach(WorkerObject *w, PyObject *loop)
     if (w->loop == loop) {
         return 0;
     }
-    if (w->handle == NULL) {
-        ucxx_raise(st, UCXX_EXC_CLOSE, "Worker is closed");
+    if (ucxx_worker_check(w) < 0) {
         return -1;
+    }
+    if (w->loop != NULL) {
+        if (loop_is_running(w->loop)) {
+            PyErr_SetString(PyExc_RuntimeError,
+                            "this ucxx Worker is driven by another running "
+                            "event loop; use it from that loop's thread");
+            return -1;
+        }
     }
     ucxx_worker_detach(w);
     w->loop = Py_NewRef(loop);
@@ -428,10 +446,18 @@ ucxx_worker_check(WorkerObject *w)
                    "Worker is closed");
         return -1;
     }
-    if (w->loop != NULL && PyThread_get_thread_ident() != w->thread_id) {
+    if (UCXX_FORKED(w)) {
+        PyErr_SetString(PyExc_RuntimeError,
+                        "ucxx objects cannot be used in a forked child "
+                        "process: create a new context there (ucxx.reset() "
+                        "then ucxx.init()), or use the 'spawn' start method");
+        return -1;
+    }
+    if (w->loop != NULL && PyThread_get_thread_ident() != w->thread_id &&
+        loop_is_running(w->loop)) {
         PyErr_SetString(PyExc_RuntimeError,
                         "ucxx objects must be used from the thread of the "
-                        "event loop driving their worker");
+                        "running event loop driving their worker");
         return -1;
     }
     return 0;
@@ -557,6 +583,7 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
         return ucxx_raise_status(st, status, "ucp_worker_create");
     }
     w->context->nworkers++;
+    w->fork_gen = ucxx_fork_generation;
     if (w->context->features & UCP_FEATURE_WAKEUP) {
         status = ucp_worker_get_efd(w->handle, &w->efd);
         if (status != UCS_OK) {
@@ -579,12 +606,48 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 /* ---- close -------------------------------------------------------------- */
 
 static void
+forget_forked(WorkerObject *w)
+{
+    while (!ucxx_list_empty(&w->listeners)) {
+        ListenerObject *l = UCXX_CONTAINER(w->listeners.next, ListenerObject,
+                                           wlink);
+        l->handle = NULL;
+        l->nconns = 0;
+        ucxx_list_del(&l->wlink);
+    }
+    while (!ucxx_list_empty(&w->endpoints)) {
+        EndpointObject *ep = UCXX_CONTAINER(w->endpoints.next, EndpointObject,
+                                            wlink);
+        ep->handle = NULL;
+        ep->closed = 1;
+        ucxx_list_del(&ep->wlink);
+    }
+    /* Requests the parent posted stay referenced forever: never dispatched
+     * here, their buffers are the parent's business. */
+    ucxx_list_init(&w->pending);
+    w->done_head = w->done_tail = NULL;
+    w->thread_running = 0;
+    w->handle = NULL;
+    w->efd = -1;
+    Py_CLEAR(w->loop);
+    Py_CLEAR(w->task);
+    Py_CLEAR(w->coro);
+    Py_CLEAR(w->waiter);
+    w->context->nworkers--;
+}
+
+static void
 worker_close_now(WorkerObject *w)
 {
     ucxx_link *it;
     int rounds;
 
     if (w->handle == NULL) {
+        return;
+    }
+    if (UCXX_FORKED(w)) {
+        /* Inherited from the parent: forget the handles, touch nothing. */
+        forget_forked(w);
         return;
     }
     ucxx_thread_stop(w);
