@@ -63,6 +63,8 @@ DETAIL_RE = re.compile(r"^(\d+(?:\.\d+)?) (B|kiB|MiB|GiB|TiB|PiB)/s, (\d+)ns$")
 def _env():
     env = dict(os.environ)
     env.pop("UCXPY_IFNAME", None)
+    # Keep UCX's network traffic on loopback (shared memory is unaffected).
+    env.setdefault("UCX_NET_DEVICES", "lo")
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     return env
 
@@ -265,6 +267,47 @@ def test_defaults(monkeypatch):
     assert args.error_handling is True
     assert args.spin_us is None
     assert args.event_loop == "asyncio"
+
+
+@pytest.mark.timeout(30)
+def test_default_server_address_from_ifname(monkeypatch):
+    monkeypatch.setenv("UCXPY_IFNAME", "lo")
+    assert send_recv.make_parser().parse_args([]).server_address == "127.0.0.1"
+
+
+@pytest.mark.timeout(30)
+def test_print_report_exact(capsys):
+    """The report for known timings, character for character."""
+    args = send_recv.make_parser().parse_args(
+        ["-l", "socket", "-n", "1000", "--n-iter", "3", "-c", "1"]
+    )
+    send_recv.print_report(args, [0.001, 0.002, 0.004])
+    eq, dash = "=" * 80, "-" * 80
+    assert capsys.readouterr().out.splitlines() == [
+        "Roundtrip benchmark",
+        eq,
+        "Iterations                | 3",
+        "Bytes                     | 0.98 kiB",
+        "Number of buffers         | 1",
+        "Object type               | numpy",
+        "Reuse allocation          | False",
+        "Backend                   | socket",
+        eq,
+        "Device(s)                 | CPU-only",
+        "Server CPU                | affinity not set",
+        "Client CPU                | 1",
+        eq,
+        "Bandwidth (average)       | 837.05 kiB/s",
+        "Bandwidth (median)        | 0.95 MiB/s",
+        "Latency (average)         | 1166666 ns",
+        "Latency (median)          | 1000000 ns",
+        eq,
+        "Iterations                | Bandwidth, Latency",
+        dash,
+        "0                         | 1.91 MiB/s, 500000ns",
+        "1                         | 0.95 MiB/s, 1000000ns",
+        "2                         | 488.28 kiB/s, 2000000ns",
+    ]
 
 
 @pytest.mark.timeout(30)
@@ -499,13 +542,19 @@ def test_ucxx_async(mode, size):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", ["thread", "thread-polling"])
-def test_ucxx_async_thread_modes(mode):
+@pytest.mark.parametrize(
+    "backend, extra",
+    [("ucxx-async", []), ("ucxx-core", ["--asyncio-wait"])],
+    ids=["async", "core-asyncio-wait"],
+)
+def test_ucxx_thread_modes(backend, extra, mode):
     """A thread mode either works or is refused at parse time, clearly."""
-    proc = _ucxx_run("ucxx-async", "--progress-mode", mode)
+    proc = _ucxx_run(backend, "--progress-mode", mode, *extra)
     if _unsupported(proc):
         assert f"--progress-mode '{mode}'" in proc.stderr
+        assert "Roundtrip benchmark" not in proc.stdout
         return
-    check_report(proc, "ucxx-async", 5, 1000, **{"Progress mode": mode})
+    check_report(proc, backend, 5, 1000, **{"Progress mode": mode})
 
 
 @pytest.mark.timeout(120)
@@ -579,9 +628,10 @@ def test_ucxx_core_options(extra):
 
 
 @pytest.mark.timeout(120)
-def test_ucxx_core_server_only_client_only():
+@pytest.mark.parametrize("backend", ["ucxx-async", "ucxx-core"])
+def test_ucxx_server_only_client_only(backend):
     port = _free_port()
-    common = ["-l", "ucxx-core", "-p", str(port), "--n-iter", "3",
+    common = ["-l", backend, "-p", str(port), "--n-iter", "3",
               "--n-warmup-iter", "1", "-n", "1kB"]
     with _start_server(common) as server:
         try:
@@ -589,7 +639,7 @@ def test_ucxx_core_server_only_client_only():
             assert line.strip() == f"Server Running at 127.0.0.1:{port}", line
             proc = run_cli("--client-only", *common)
             assert proc.returncode == 0, proc.stderr
-            parse_report(proc.stdout, "ucxx-core", 3)
+            parse_report(proc.stdout, backend, 3)
             assert server.wait(timeout=30) == 0
         finally:
             if server.poll() is None:

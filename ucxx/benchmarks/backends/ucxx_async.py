@@ -67,6 +67,25 @@ def register_am_allocators(args: Namespace) -> None:
         register(lambda n: rmm.DeviceBuffer(size=n), "cuda")
 
 
+# How long the client waits for the server to close the connection.
+PEER_CLOSE_TIMEOUT = 10.0
+
+
+def _close_future(ep):
+    """A future resolved when ``ep`` closes (None if it cannot tell)."""
+    set_cb = getattr(ep, "set_close_callback", None)
+    if set_cb is None:
+        return None
+    fut = asyncio.get_running_loop().create_future()
+
+    def on_close(*_args):
+        if not fut.done():
+            fut.set_result(None)
+
+    set_cb(on_close)
+    return fut
+
+
 async def _send_terminal_ack(ep, enable_am: bool) -> None:
     """Tell the server that the last echo arrived (it may close now)."""
     ack = bytearray(1)
@@ -212,8 +231,16 @@ class UCXPyAsyncClient(BaseClient):
         if args.cuda_profile:
             xp.cuda.profiler.stop()
 
+        # The server closes the endpoint once it has the acknowledgement;
+        # wait for that instead of closing both ends at once.
+        peer_closed = _close_future(ep)
         await _send_terminal_ack(ep, args.enable_am)
         _check_echo(args, xp, expected, msg_recv)
+        if peer_closed is not None:
+            try:
+                await asyncio.wait_for(peer_closed, PEER_CLOSE_TIMEOUT)
+            except asyncio.TimeoutError:
+                pass
         await ep.close()
         del ep
         teardown_ucxx()
