@@ -485,6 +485,19 @@ def _check_ucxx(parser, args) -> None:
                 "--spin-us: this ucxx's init() does not take spin_us"
             )
 
+    if (
+        args.enable_am
+        and args.object_type != "numpy"
+        and args.backend == "ucxx-async"
+        and not hasattr(ucxx, "register_am_allocator")
+    ):
+        parser.error(
+            "--enable-am with --object_type="
+            f"{args.object_type} needs ucxx.register_am_allocator (to receive "
+            "active messages into device memory), which this ucxx lacks; "
+            "use --backend=ucxx-core"
+        )
+
     # blocking and polling are always there; probe the others, so that an
     # unsupported mode fails here and not half-way in a child process.
     if args.progress_mode not in ("blocking", "polling") or args.spin_us is not None:

@@ -234,3 +234,32 @@ def print_ucx_config() -> None:
     """The ``UCX_TLS`` and ``UCX_NET_DEVICES`` report rows."""
     print_key_value(key="UCX_TLS", value=f"{ucx_config_value('TLS')}")
     print_key_value(key="UCX_NET_DEVICES", value=f"{ucx_config_value('NET_DEVICES')}")
+
+
+def _host_u1(buf):
+    """``buf`` (host buffer, numpy array, or an object with
+    ``__cuda_array_interface__``) as a flat host ``uint8`` numpy array."""
+    import numpy as np
+
+    if hasattr(buf, "__cuda_array_interface__"):
+        import cupy
+
+        return cupy.asnumpy(cupy.asarray(buf)).reshape(-1).view("u1")
+    if isinstance(buf, np.ndarray):
+        return buf.reshape(-1).view("u1")
+    return np.frombuffer(buf, dtype="u1")
+
+
+def check_echo(received, sent, n_buffers: int = 1) -> None:
+    """Check the last echo of a run (outside the timed loop): each received
+    buffer must equal ``sent`` (the client's message). Catches a transport
+    that completes requests without moving the data."""
+    import numpy as np
+
+    got = received if isinstance(received, (list, tuple)) else [received]
+    if len(got) != n_buffers:
+        raise RuntimeError(f"echo: expected {n_buffers} buffers, got {len(got)}")
+    expected = _host_u1(sent)
+    for buf in got:
+        if not np.array_equal(_host_u1(buf), expected):
+            raise RuntimeError("echo: the received message differs from the sent one")

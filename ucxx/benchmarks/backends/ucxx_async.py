@@ -12,6 +12,7 @@ import ucxx
 from ucxx.benchmarks.backends.base import BaseClient, BaseServer
 from ucxx.benchmarks.utils import (
     GilContention,
+    check_echo,
     get_allocator,
     print_key_value,
     print_ucx_config,
@@ -184,7 +185,7 @@ class UCXPyAsyncClient(BaseClient):
             endpoint_error_handling=args.error_handling,
         )
 
-        expected = xp.arange(args.n_bytes, dtype="u1")
+        am_msg = xp.arange(args.n_bytes, dtype="u1")
         if args.reuse_alloc:
             reuse_msg_send = xp.arange(args.n_bytes, dtype="u1")
             if args.n_buffers == 1:
@@ -202,7 +203,8 @@ class UCXPyAsyncClient(BaseClient):
         for i in range(args.n_iter + args.n_warmup_iter):
             start = perf_counter()
             if args.enable_am:
-                await ep.am_send(expected)
+                msg_send = am_msg
+                await ep.am_send(msg_send)
                 msg_recv = await ep.am_recv()
             elif args.n_buffers == 1:
                 if args.reuse_alloc:
@@ -235,7 +237,8 @@ class UCXPyAsyncClient(BaseClient):
         # wait for that instead of closing both ends at once.
         peer_closed = _close_future(ep)
         await _send_terminal_ack(ep, args.enable_am)
-        _check_echo(args, xp, expected, msg_recv)
+        sent = msg_send[0] if isinstance(msg_send, list) else msg_send
+        check_echo(msg_recv, sent, 1 if args.enable_am else args.n_buffers)
         if peer_closed is not None:
             try:
                 await asyncio.wait_for(peer_closed, PEER_CLOSE_TIMEOUT)
@@ -259,21 +262,3 @@ def _accepts_host(func) -> bool:
         return "host" in inspect.signature(func).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _check_echo(args: Namespace, xp, expected, received) -> None:
-    """Check the last echo (outside the timed loop): catches a transport
-    that completes requests without delivering the data."""
-    if args.object_type != "numpy":
-        return
-    import numpy as np
-
-    got = received if isinstance(received, list) else [received]
-    want = args.n_buffers if not args.enable_am else 1
-    if len(got) != want:
-        raise RuntimeError(f"echo: expected {want} buffers, got {len(got)}")
-    for buf in got:
-        arr = np.frombuffer(buf, dtype="u1") if not isinstance(buf, np.ndarray) else buf
-        arr = arr.reshape(-1).view("u1")
-        if not np.array_equal(arr, expected):
-            raise RuntimeError("echo: the received message differs from the sent one")

@@ -26,6 +26,7 @@ from ucxx import _ucxx
 from ucxx.benchmarks.backends.base import BaseClient, BaseServer
 from ucxx.benchmarks.utils import (
     GilContention,
+    check_echo,
     get_allocator,
     print_key_value,
     print_ucx_config,
@@ -249,28 +250,28 @@ class UCXPyCoreClient(BaseClient):
                 peer = _recv_blob(conn)
                 _send_blob(conn, worker.address)
             ep = worker.ep_from_address(peer, error_handling=args.error_handling)
+            send_msg = xp.arange(args.n_bytes, dtype="u1")
 
             if args.asyncio_wait:
                 times, contention, last = run_until_complete(
-                    self._transfer_async(ep, xp), args.event_loop
+                    self._transfer_async(ep, xp, send_msg), args.event_loop
                 )
             else:
                 times, contention, last = self._transfer(
-                    ep, xp, _make_wait(worker, args)
+                    ep, xp, send_msg, _make_wait(worker, args)
                 )
         finally:
             worker.close()
             ctx.close()
-        _check_echo(args, last)
+        check_echo(last, send_msg)
         put_results(self.queue, args, times, contention)
 
-    def _transfer(self, ep, xp, wait):
+    def _transfer(self, ep, xp, send_msg, wait):
         args = self.args
         wire = _host(8)
         wait(ep.tag_send(wire, TAG_TO_SERVER))
         wait(ep.tag_recv(wire, TAG_TO_CLIENT))
 
-        send_msg = xp.arange(args.n_bytes, dtype="u1")
         if args.reuse_alloc:
             recv_msg = xp.zeros(args.n_bytes, dtype="u1")
         if args.cuda_profile:
@@ -308,13 +309,12 @@ class UCXPyCoreClient(BaseClient):
         _close(ep, wait)
         return times, contention, last
 
-    async def _transfer_async(self, ep, xp):
+    async def _transfer_async(self, ep, xp, send_msg):
         args = self.args
         wire = _host(8)
         await ep.tag_send(wire, TAG_TO_SERVER)
         await ep.tag_recv(wire, TAG_TO_CLIENT)
 
-        send_msg = xp.arange(args.n_bytes, dtype="u1")
         if args.reuse_alloc:
             recv_msg = xp.zeros(args.n_bytes, dtype="u1")
         if args.cuda_profile:
@@ -365,14 +365,3 @@ def _host(n: int):
     import numpy as np
 
     return np.zeros(n, dtype="u1")
-
-
-def _check_echo(args: Namespace, received) -> None:
-    """Check the last echo (outside the timed loop)."""
-    if args.object_type != "numpy":
-        return
-    import numpy as np
-
-    arr = received if isinstance(received, np.ndarray) else np.frombuffer(received, "u1")
-    if not np.array_equal(arr.reshape(-1).view("u1"), np.arange(args.n_bytes, dtype="u1")):
-        raise RuntimeError("echo: the received message differs from the sent one")
