@@ -183,14 +183,18 @@ async def test_listener_drops_bad_client(caplog, client):
 # ------------------------------------------------------------------ reset
 @pytest.mark.no_ctx
 async def test_reset_with_live_endpoint_names_it():
-    lst = ucxx.create_listener(lambda ep: None, host=HOST)
+    accepted = asyncio.Queue()
+    lst = ucxx.create_listener(accepted.put_nowait, host=HOST)
     ep = await ucxx.create_endpoint(HOST, lst.port)
+    sep = await asyncio.wait_for(accepted.get(), 10)
     lst.close()
     with pytest.raises(ucxx.UCXError) as ei:
         ucxx.reset()
     assert f"{ep.uid:#x}" in str(ei.value)
+    assert f"{sep.uid:#x}" in str(ei.value)
     assert ucxx.core._ctx is not None  # kept: still usable
     await ep.close()
+    await sep.close()
     ucxx.reset()
     assert ucxx.core._ctx is None
 

@@ -207,7 +207,7 @@ class ApplicationContext:
     def live_objects(self) -> list:
         """Endpoints and listeners of this context that are still open."""
         gc.collect()
-        out = [ep for ep in list(self._endpoints) if not ep._ep.closed]
+        out = [ep for ep in list(self._endpoints) if not ep.closed]
         out += [lst for lst in list(self._listeners) if not lst._listener.closed]
         return out
 

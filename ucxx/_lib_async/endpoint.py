@@ -21,24 +21,38 @@ from .utils import callable_bool
 
 logger = logging.getLogger("ucx")
 
-# Control message (docs/PROTOCOL.md, "Connection handshake"): sent on the
-# peer's control tag to announce a graceful close.
+# Control messages (docs/PROTOCOL.md, "Connection handshake"), sent on the
+# peer's control tag.
 CTRL_MAGIC = b"UCXC"
 CTRL_VERSION = 1
 CTRL_CLOSE = 1
+CTRL_CLOSE_ACK = 2
 _CTRL = struct.Struct("<4sHHQ")
 CTRL_SIZE = _CTRL.size  # 16
 _CLOSE_MSG = _CTRL.pack(CTRL_MAGIC, CTRL_VERSION, CTRL_CLOSE, 0)
+_CLOSE_ACK_MSG = _CTRL.pack(CTRL_MAGIC, CTRL_VERSION, CTRL_CLOSE_ACK, 0)
 
 _OBJ_HEADER = struct.Struct("<Q")
 
 
-async def _watch_ctrl(c_ep, ctrl_tag: int, wref) -> None:
+def _close_by_peer(c_ep) -> None:
+    """Local abort after the peer announced its close. The C layer keeps
+    matching receives against messages that had already arrived."""
+    close_by_peer = getattr(c_ep, "_close_by_peer", None)
+    if close_by_peer is not None:
+        close_by_peer()
+    else:
+        c_ep.abort()
+
+
+async def _watch_ctrl(c_ep, ctrl_tag: int, peer_ctrl_tag: int, timeout: float, wref):
     """Keep one receive posted on our control tag; act on what arrives.
 
-    Ends when the endpoint closes (the receive then fails with
-    UCXCanceledError), when the peer dies (UCXConnectionResetError), or when
-    a control message arrives.
+    Returns the kind of control message received (CTRL_CLOSE or
+    CTRL_CLOSE_ACK), or None if the receive ended without one: the endpoint
+    was closed or aborted locally (UCXCanceledError), or the peer died
+    (UCXConnectionResetError, ...). ``Endpoint._close`` awaits this task to
+    learn that the peer has seen its close message.
     """
     buf = bytearray(CTRL_SIZE)
     try:
@@ -49,24 +63,36 @@ async def _watch_ctrl(c_ep, ctrl_tag: int, wref) -> None:
             c_ep.uid,
         )
         c_ep.abort()
-        return
+        return None
     except UCXError as e:
-        # Closed locally, aborted, or the peer died: nothing more to do.
         logger.debug("Endpoint %#x: control receive ended: %r", c_ep.uid, e)
-        return
+        return None
     except asyncio.CancelledError:
         # The loop is shutting down: leave the endpoint to its owner.
-        return
-    magic, version, kind, _ = _CTRL.unpack(buf)
-    if magic != CTRL_MAGIC or kind != CTRL_CLOSE:
+        return None
+    magic, _version, kind, _ = _CTRL.unpack(buf)
+    if magic != CTRL_MAGIC or kind not in (CTRL_CLOSE, CTRL_CLOSE_ACK):
         logger.warning(
             "Endpoint %#x: unknown control message %r; aborting", c_ep.uid, bytes(buf)
         )
-    ep = wref()
-    if ep is not None:
-        ep._on_peer_close()
-    else:
         c_ep.abort()
+        return None
+    ep = wref()
+    if kind == CTRL_CLOSE and not (ep is not None and ep._closing):
+        # The peer closes: acknowledge (so it can close at once), then close
+        # locally. Our pending receives fail with UCXCanceledError.
+        logger.debug("Endpoint %#x: peer closed the connection", c_ep.uid)
+        if ep is not None:
+            ep._closing = True
+        del ep
+        try:
+            await asyncio.wait_for(_await(c_ep.tag_send(_CLOSE_ACK_MSG, peer_ctrl_tag)), timeout)
+        except (UCXError, asyncio.TimeoutError) as e:
+            logger.debug("Endpoint %#x: close ack not sent: %r", c_ep.uid, e)
+        _close_by_peer(c_ep)
+    # CTRL_CLOSE_ACK, or the peer's CTRL_CLOSE while we are closing too: the
+    # closing side (Endpoint._close) finishes the job.
+    return kind
 
 
 def _finalize(c_ep) -> None:
@@ -132,20 +158,17 @@ class Endpoint:
     # ----------------------------------------------------------------- state
     def _start_ctrl_watch(self) -> None:
         loop = asyncio.get_running_loop()
+        timeout = self._ctx.connect_timeout if self._ctx is not None else 5.0
         task = loop.create_task(
-            _watch_ctrl(self._ep, self._ctrl_recv_tag, weakref.ref(self)),
+            _watch_ctrl(
+                self._ep, self._ctrl_recv_tag, self._ctrl_send_tag, timeout,
+                weakref.ref(self),
+            ),
             name=f"ucxx-ctrl-{self._ep.uid:#x}",
         )
         self._ctrl_task = task
         if self._ctx is not None:
             self._ctx._track_task(task)
-
-    def _on_peer_close(self) -> None:
-        """The peer announced a graceful close."""
-        logger.debug("Endpoint %#x: peer closed the connection", self.uid)
-        if not self._closing:
-            self._closing = True
-            self._ep.abort()
 
     @property
     def alive(self) -> bool:
@@ -228,13 +251,19 @@ class Endpoint:
             c_ep.abort()
             return
         timeout = self._ctx.connect_timeout if self._ctx is not None else 5.0
+        ctrl = self._ctrl_task
         try:
-            if self._ctrl_send_tag is not None:
-                req = c_ep.tag_send(_CLOSE_MSG, self._ctrl_send_tag)
-                await asyncio.wait_for(_await(req), timeout)
-            await asyncio.wait_for(_await(c_ep.close()), timeout)
+            if ctrl is not None and not ctrl.done():
+                # Tell the peer, wait until it has seen it (its ack, its own
+                # close message, or the connection going away), then close.
+                await asyncio.wait_for(_await(c_ep.tag_send(_CLOSE_MSG, self._ctrl_send_tag)), timeout)
+                await asyncio.wait_for(asyncio.shield(ctrl), timeout)
+            elif ctrl is None:
+                # No control channel (endpoint from a worker address): UCX's
+                # flushing close.
+                await asyncio.wait_for(_await(c_ep.close()), timeout)
         except (UCXError, asyncio.TimeoutError) as e:
-            logger.debug("Endpoint %#x: graceful close failed (%r); aborting", c_ep.uid, e)
+            logger.debug("Endpoint %#x: graceful close incomplete (%r)", c_ep.uid, e)
         finally:
             c_ep.abort()
 
