@@ -1,0 +1,971 @@
+"""A Dask ``distributed`` comm backend on ucxx: the ``ucxx://`` scheme.
+
+Install the package with the ``dask`` extra; ``distributed`` finds the backend
+through the ``distributed.comm.backends`` entry point (``ucxx =
+ucxx.distributed:UCXXBackend``), so ``LocalCluster(protocol="ucxx")``,
+``dask scheduler --protocol ucxx`` and ``Client("ucxx://host:port")`` work
+without importing anything. See ``docs/DASK.md``.
+
+Wire format (all integers little endian), per dask message:
+
+1. one fixed-size header of ``HEADER_SIZE`` (128) bytes::
+
+       offset size        field
+       0      2           magic   b"dx"
+       2      1           version 1
+       3      1           flags   bit 0 CLOSE, bit 1 TABLE, bit 2 HELLO
+       4      4           nframes uint32
+       8      8*INLINE    frame sizes, uint64 (first min(nframes, INLINE))
+       112    INLINE      frame kinds, uint8: 0 host, 1 CUDA device
+       125    3           zero padding
+
+   ``INLINE`` is 13. When ``nframes > INLINE`` the TABLE flag is set, the
+   inline slots are zero and a second message of ``9 * nframes`` bytes
+   follows (``nframes`` uint64 sizes, then ``nframes`` uint8 kinds).
+2. the frames, one tagged message each (empty frames included).
+
+The writer posts the header, the table (if any) and all frames with ONE
+``Endpoint.gather_send`` call. The reader receives the header (and the
+table), allocates every frame (host: numpy ``uint8``; device: rmm, cupy or
+numba) and receives them all with ONE ``Endpoint.gather_recv`` call. UCX
+keeps the order of messages between two endpoints on one tag, so frame ``i``
+lands in buffer ``i``.
+
+A CLOSE header (``nframes == 0``) is the last message a comm sends: the peer
+reads it as "the writer closed the comm". A HELLO header carrying one frame
+(the connector's local address, UTF-8) is the first message a connector
+sends, so that the listener side knows its peer's address.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import itertools
+import logging
+import os
+import struct
+import threading
+import weakref
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import dask
+from distributed.comm.addressing import parse_host_port, unparse_host_port
+from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
+from distributed.comm.registry import Backend
+from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
+from distributed.protocol.utils import host_array
+from distributed.utils import ensure_ip, ensure_memoryview, get_ip, nbytes
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "UCXX",
+    "UCXXBackend",
+    "UCXXConnector",
+    "UCXXListener",
+    "HEADER_SIZE",
+    "pack_header",
+    "unpack_header",
+]
+
+# --------------------------------------------------------------------------
+# Configuration
+# --------------------------------------------------------------------------
+
+#: Defaults of the ``distributed.comm.ucxx`` dask config section.
+CONFIG_DEFAULTS: dict[str, Any] = {
+    # "blocking" (sleep on the worker's event fd), "polling", "thread",
+    # "thread-polling". The UCXPY_PROGRESS_MODE environment variable wins.
+    "progress-mode": "blocking",
+    # Microseconds an await progresses the worker before it suspends
+    # (None: the progress mode's default, 0: never spin).
+    "spin-us": None,
+    # UCX transports (UCX_TLS), e.g. "tcp", "tcp,sm", "all". None: UCX default.
+    "tls": None,
+    # Transports tried first for the connection establishment
+    # (UCX_SOCKADDR_TLS_PRIORITY). None: UCX default.
+    "sockaddr-tls-priority": None,
+    # Seconds the ucxx connection handshake may take (None: ucxx default).
+    "connect-timeout": None,
+    # Any other UCX option, {"rndv-thresh": "8K"} -> UCX_RNDV_THRESH=8K.
+    "environment": {},
+    # Upper bound on the frame count of one received message (sanity check
+    # of the header; a bigger count aborts the comm).
+    "max-frames": 1 << 24,
+    # Seconds a graceful close() waits for UCX to flush before aborting.
+    "close-timeout": 5.0,
+}
+
+dask.config.update_defaults({"distributed": {"comm": {"ucxx": CONFIG_DEFAULTS}}})
+
+
+def _config(key: str):
+    return dask.config.get(f"distributed.comm.ucxx.{key}", CONFIG_DEFAULTS[key])
+
+
+def _ucx_options() -> dict[str, str]:
+    """UCX options (names without the ``UCX_`` prefix) from the dask config."""
+    options: dict[str, str] = {}
+    for k, v in (_config("environment") or {}).items():
+        name = k.upper().replace("-", "_")
+        if name.startswith("UCX_"):
+            name = name[4:]
+        options[name] = str(v)
+    tls = _config("tls")
+    if tls:
+        options["TLS"] = tls if isinstance(tls, str) else ",".join(tls)
+    prio = _config("sockaddr-tls-priority")
+    if prio:
+        options["SOCKADDR_TLS_PRIORITY"] = prio if isinstance(prio, str) else ",".join(prio)
+    return options
+
+
+# --------------------------------------------------------------------------
+# ucxx initialisation and lifetime of the progress machinery
+# --------------------------------------------------------------------------
+
+ucxx = None  # the ucxx package, imported on first use
+_UCXError: type[BaseException] = Exception
+_init_lock = threading.Lock()
+# Whether this module initialised the ucxx context (and may therefore reset
+# it once the last comm/listener is gone).
+_owns_context = False
+# Live comms and listeners: id -> event loop they run on.
+_resources: dict[int, asyncio.AbstractEventLoop | None] = {}
+_resource_ids = itertools.count()
+
+
+def _import_ucxx():
+    global ucxx, _UCXError
+    if ucxx is None:
+        import ucxx as _ucxx_pkg
+        from ucxx.exceptions import UCXError
+
+        _UCXError = UCXError
+        ucxx = _ucxx_pkg
+    return ucxx
+
+
+def _context_exists() -> bool:
+    core = ucxx.core
+    return getattr(core, "_ctx", None) is not None
+
+
+def init_once() -> None:
+    """Initialise ucxx from the ``distributed.comm.ucxx`` dask config, unless
+    a ucxx context already exists (then it is used as it is)."""
+    global _owns_context
+    _import_ucxx()
+    with _init_lock:
+        if _context_exists():
+            return
+        options = _ucx_options()
+        env_mode = os.environ.get("UCXPY_PROGRESS_MODE")
+        mode = env_mode or _config("progress-mode") or "blocking"
+        kwargs: dict[str, Any] = {
+            "options": options,
+            "env_takes_precedence": True,
+            "progress_mode": mode,
+        }
+        params = inspect.signature(ucxx.init).parameters
+        timeout = _config("connect-timeout")
+        if timeout is not None and "connect_timeout" in params:
+            kwargs["connect_timeout"] = float(timeout)
+        spin = _config("spin-us")
+        if spin is not None:
+            if "spin_us" in params:
+                kwargs["spin_us"] = float(spin)
+            else:
+                logger.warning(
+                    "distributed.comm.ucxx.spin-us is set but this ucxx cannot "
+                    "take it; ignored"
+                )
+        logger.debug("ucxx.init(%s)", kwargs)
+        ucxx.init(**kwargs)
+        _owns_context = True
+
+
+def _acquire() -> int:
+    """Register one comm/listener; returns its id for :func:`_release`."""
+    rid = next(_resource_ids)
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:  # pragma: no cover - always called from a loop
+        loop = None
+    _resources[rid] = loop
+    return rid
+
+
+def _release(rid: int | None) -> None:
+    """Forget one comm/listener. When the last one is gone, ucxx is left as
+    it was found: the context this module created is reset (its worker,
+    progress task, fd reader and file descriptors go away); a context
+    created by someone else only stops being progressed, unless it still
+    has endpoints or listeners of its own."""
+    if rid is None:
+        return
+    loop = _resources.pop(rid, None)
+    if _resources or ucxx is None:
+        return
+    try:
+        running = asyncio.get_running_loop()
+    except RuntimeError:
+        running = None
+    if loop is not None and running is not loop and loop.is_running():
+        # Called from another thread (a finalizer): do it on the loop.
+        loop.call_soon_threadsafe(_release_idle)
+    else:
+        _release_idle()
+
+
+def _release_idle() -> None:
+    global _owns_context
+    if _resources or ucxx is None:
+        return
+    ctx = getattr(ucxx.core, "_ctx", None)
+    if ctx is None:
+        return
+    if _owns_context:
+        try:
+            ucxx.reset()
+        except Exception as e:  # endpoints/listeners of someone else
+            logger.debug("ucxx.reset() after the last comm: %s", e)
+        else:
+            _owns_context = False
+        return
+    try:
+        if not ctx.live_objects():
+            ctx.worker.stop()
+    except Exception as e:  # pragma: no cover - defensive
+        logger.debug("stopping ucxx progress after the last comm: %r", e)
+
+
+# --------------------------------------------------------------------------
+# Message header
+# --------------------------------------------------------------------------
+
+MAGIC = b"dx"
+VERSION = 1
+FLAG_CLOSE = 1
+FLAG_TABLE = 2
+FLAG_HELLO = 4
+INLINE = 13
+HEADER_SIZE = 128
+KIND_HOST = 0
+KIND_CUDA = 1
+
+_PRELUDE = struct.Struct("<2sBBI")
+_SIZES_INLINE = struct.Struct(f"<{INLINE}Q")
+_KINDS_OFFSET = _PRELUDE.size + _SIZES_INLINE.size  # 112
+assert _KINDS_OFFSET + INLINE <= HEADER_SIZE
+
+_CLOSE_HEADER = bytes(_PRELUDE.pack(MAGIC, VERSION, FLAG_CLOSE, 0)).ljust(HEADER_SIZE, b"\0")
+
+
+def pack_header(sizes: Sequence[int], kinds: Sequence[int], flags: int = 0) -> list[bytes]:
+    """The header message (and the frame table message when there are more
+    than ``INLINE`` frames) describing frames of ``sizes`` and ``kinds``."""
+    n = len(sizes)
+    if n <= INLINE:
+        hdr = bytearray(HEADER_SIZE)
+        _PRELUDE.pack_into(hdr, 0, MAGIC, VERSION, flags, n)
+        struct.pack_into(f"<{n}Q", hdr, _PRELUDE.size, *sizes)
+        hdr[_KINDS_OFFSET : _KINDS_OFFSET + n] = bytes(kinds)
+        return [hdr]
+    hdr = bytearray(HEADER_SIZE)
+    _PRELUDE.pack_into(hdr, 0, MAGIC, VERSION, flags | FLAG_TABLE, n)
+    table = struct.pack(f"<{n}Q", *sizes) + bytes(kinds)
+    return [hdr, table]
+
+
+def unpack_header(hdr, max_frames: int | None = None) -> tuple[int, int]:
+    """Validate a header; returns ``(flags, nframes)``."""
+    if len(hdr) != HEADER_SIZE:
+        raise ValueError(f"ucxx comm header of {len(hdr)} bytes (expected {HEADER_SIZE})")
+    magic, version, flags, n = _PRELUDE.unpack_from(hdr, 0)
+    if magic != MAGIC:
+        raise ValueError(f"ucxx comm header with bad magic {bytes(magic)!r}")
+    if version != VERSION:
+        raise ValueError(
+            f"the peer speaks ucxx comm protocol version {version}, this side {VERSION}"
+        )
+    if max_frames is not None and n > max_frames:
+        raise ValueError(f"ucxx comm header announces {n} frames (limit {max_frames})")
+    if flags & FLAG_CLOSE and n:
+        raise ValueError("ucxx comm CLOSE header with frames")
+    return flags, n
+
+
+def _inline_sizes_kinds(hdr, n: int) -> tuple[tuple[int, ...], bytes]:
+    sizes = struct.unpack_from(f"<{n}Q", hdr, _PRELUDE.size)
+    kinds = bytes(hdr[_KINDS_OFFSET : _KINDS_OFFSET + n])
+    return sizes, kinds
+
+
+def _table_sizes_kinds(table, n: int) -> tuple[tuple[int, ...], bytes]:
+    sizes = struct.unpack_from(f"<{n}Q", table, 0)
+    kinds = bytes(table[8 * n : 9 * n])
+    return sizes, kinds
+
+
+# --------------------------------------------------------------------------
+# Device memory
+# --------------------------------------------------------------------------
+
+_device_alloc: Callable[[int], Any] | None = None
+_device_sync: Callable[[], None] | None = None
+
+
+def _find_device_support() -> tuple[Callable[[int], Any], Callable[[], None]]:
+    """(allocator, default-stream synchronise) from rmm, cupy or numba."""
+    global _device_alloc, _device_sync
+    if _device_alloc is not None:
+        return _device_alloc, _device_sync
+    alloc = sync = None
+    try:
+        import rmm
+
+        def alloc(n):
+            return rmm.DeviceBuffer(size=n)
+
+    except ImportError:
+        pass
+    try:
+        import cupy
+
+        if alloc is None:
+
+            def alloc(n):
+                return cupy.empty((n,), dtype="u1")
+
+        def sync():
+            cupy.cuda.runtime.deviceSynchronize()
+
+    except ImportError:
+        pass
+    if sync is None or alloc is None:
+        try:
+            import numba.cuda
+
+            if alloc is None:
+
+                def alloc(n):
+                    return numba.cuda.device_array((n,), dtype="u1")
+
+            if sync is None:
+
+                def sync():
+                    numba.cuda.default_stream().synchronize()
+
+        except ImportError:
+            pass
+    if alloc is None:
+        raise RuntimeError(
+            "ucxx comm: the peer sent a CUDA device frame, but no device "
+            "allocator is importable in this process (install rmm, cupy or numba)"
+        )
+    if sync is None:
+
+        def sync():
+            pass
+
+    _device_alloc, _device_sync = alloc, sync
+    return alloc, sync
+
+
+def _is_device(frame) -> bool:
+    return hasattr(frame, "__cuda_array_interface__")
+
+
+def _synchronize_device() -> None:
+    try:
+        _, sync = _find_device_support()
+    except RuntimeError:
+        return
+    sync()
+
+
+# --------------------------------------------------------------------------
+# The comm
+# --------------------------------------------------------------------------
+
+_SERIALIZERS = ("cuda", "dask", "pickle", "error")
+
+
+def _on_endpoint_closed(ref) -> None:
+    comm = ref()
+    if comm is not None:
+        comm._closed = True
+
+
+def _abort_endpoint(ep, rid) -> None:
+    """Finalizer of a comm that was never closed."""
+    try:
+        ep.abort()
+    except Exception:  # pragma: no cover - interpreter shutdown
+        pass
+    _release(rid)
+
+
+class UCXX(Comm):
+    """An established ucxx connection carrying dask messages.
+
+    One reader and one writer at a time (the ``Comm`` contract). Any UCX
+    error while reading or writing aborts the comm and raises
+    ``CommClosedError``; so does a CLOSE message from the peer.
+    """
+
+    def __init__(
+        self,
+        ep,
+        local_addr: str,
+        peer_addr: str,
+        deserialize: bool = True,
+        resource_id: int | None = None,
+        initiator: bool = True,
+    ):
+        super().__init__(deserialize=deserialize)
+        self._ep = ep
+        # True on the connector's side, False on the listener's (see close()).
+        self._initiator = initiator
+        self._local_addr = local_addr
+        self._peer_addr = peer_addr
+        self._closed = False
+        self._resource_id = resource_id
+        self._max_frames = int(_config("max-frames"))
+        self._sends: list = []  # send requests still in flight
+        self._extra: dict = {}
+        ep.set_close_callback(_on_endpoint_closed, cb_args=(weakref.ref(self),))
+        self._finalizer = weakref.finalize(self, _abort_endpoint, ep, resource_id)
+        self._finalizer.atexit = False
+
+    # -- properties --------------------------------------------------------
+    @property
+    def local_address(self) -> str:
+        return self._local_addr
+
+    @property
+    def peer_address(self) -> str:
+        return self._peer_addr
+
+    @property
+    def extra_info(self) -> dict:
+        return self._extra
+
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- writing -----------------------------------------------------------
+    async def write(self, msg, serializers=None, on_error="message") -> int:
+        ep = self._ep
+        if ep is None or self._closed:
+            raise CommClosedError(f"{self!r}: the comm is closed")
+        frames = await to_frames(
+            msg,
+            allow_offload=self.allow_offload,
+            serializers=serializers if serializers is not None else _SERIALIZERS,
+            on_error=on_error,
+            context={
+                "sender": self.local_info,
+                "recipient": self.remote_info,
+                **self.handshake_options,
+            },
+        )
+        return await self._send_frames(frames)
+
+    async def _send_frames(self, frames: list, flags: int = 0) -> int:
+        ep = self._ep
+        if ep is None:
+            raise CommClosedError(f"{self!r}: the comm is closed")
+        sizes = []
+        kinds = []
+        out = []
+        device = False
+        for f in frames:
+            if _is_device(f):
+                device = True
+                kinds.append(KIND_CUDA)
+                sizes.append(nbytes(f))
+                out.append(f)
+            else:
+                mv = ensure_memoryview(f)
+                kinds.append(KIND_HOST)
+                sizes.append(mv.nbytes)
+                out.append(mv)
+        bufs = pack_header(sizes, kinds, flags)
+        bufs.extend(out)
+        try:
+            if device:
+                # UCX is not stream-ordered: make sure the producers of the
+                # device frames are done before UCX reads them.
+                _synchronize_device()
+            self._check_sends()
+            req = ep.gather_send(bufs)
+            if req.done():
+                req.result()
+            else:
+                # Like a socket write, write() returns once the message is
+                # queued: a large (rendezvous) frame completes only when the
+                # peer receives it. Completion errors surface at the next
+                # write; close() waits for what is still in flight.
+                self._sends.append(req)
+        except _UCXError as e:
+            self.abort()
+            raise CommClosedError(f"{self!r}: while writing: {e!r}") from e
+        except BaseException:
+            # Unknown state of the stream (cancelled mid-write...): the only
+            # safe thing to do is to abort it.
+            self.abort()
+            raise
+        return sum(sizes)
+
+    def _check_sends(self) -> None:
+        """Forget completed sends; raise the error of a failed one."""
+        if self._sends:
+            pending = []
+            for req in self._sends:
+                if req.done():
+                    req.result()
+                else:
+                    pending.append(req)
+            self._sends = pending
+
+    # -- reading -----------------------------------------------------------
+    async def read(self, deserializers=None):
+        flags, frames = await self._recv_frames()
+        try:
+            return await from_frames(
+                frames,
+                deserialize=self.deserialize,
+                deserializers=deserializers if deserializers is not None else _SERIALIZERS,
+                allow_offload=self.allow_offload,
+            )
+        except EOFError:
+            # Frames garbled or truncated by a communication error.
+            self.abort()
+            raise CommClosedError(f"{self!r}: aborted stream on truncated data")
+
+    async def _recv_frames(self) -> tuple[int, list]:
+        ep = self._ep
+        if ep is None:
+            raise CommClosedError(f"{self!r}: the comm is closed")
+        try:
+            hdr = bytearray(HEADER_SIZE)
+            await _recv(ep, [hdr], False)
+            flags, n = unpack_header(hdr, self._max_frames)
+            if flags & FLAG_CLOSE:
+                await self._peer_closed()
+                raise CommClosedError(f"{self!r}: the peer closed the comm")
+            if flags & FLAG_TABLE:
+                table = bytearray(9 * n)
+                await _recv(ep, [table], False)
+                sizes, kinds = _table_sizes_kinds(table, n)
+            else:
+                sizes, kinds = _inline_sizes_kinds(hdr, n)
+            frames = []
+            device = False
+            for size, kind in zip(sizes, kinds):
+                if kind == KIND_HOST:
+                    frames.append(host_array(size))
+                elif kind == KIND_CUDA:
+                    alloc, _ = _find_device_support()
+                    frames.append(alloc(size))
+                    device = True
+                else:
+                    raise ValueError(f"ucxx comm header with unknown frame kind {kind}")
+            if device:
+                # The allocations must be complete before UCX writes into them.
+                _synchronize_device()
+            if frames:
+                await _recv(ep, frames, True)
+        except CommClosedError:
+            raise
+        except _UCXError as e:
+            self.abort()
+            raise CommClosedError(f"{self!r}: while reading: {e!r}") from e
+        except (ValueError, RuntimeError):
+            self.abort()
+            raise
+        except BaseException:
+            # Some frames may have been consumed: the stream cannot be
+            # resumed (cancellation, KeyboardInterrupt...).
+            self.abort()
+            raise
+        return flags, frames
+
+    # -- closing -----------------------------------------------------------
+    #
+    # Who closes the UCX endpoint, and how, follows one rule: only the
+    # listener's side ever closes gracefully (flush); the connector's side
+    # only aborts, once the listener's side has closed (or after a timeout).
+    # A graceful close of the connector's endpoint racing an abort of the
+    # listener's leaves UCX resources (sockets) behind until the worker is
+    # destroyed, so that combination never happens.
+
+    async def close(self) -> None:
+        """Send CLOSE after everything written so far, then let the
+        endpoint go. Returns without waiting for the peer; never raises for a
+        peer that is already gone."""
+        ep = self._ep
+        self._closed = True
+        if ep is None:
+            return
+        self._ep = None
+        self._finalizer.detach()
+        rid, self._resource_id = self._resource_id, None
+        timeout = float(_config("close-timeout"))
+        if ep.closed:
+            _finish(ep, rid)
+            return
+        try:
+            # CLOSE after everything written; wait until all of it is out.
+            sends, self._sends = self._sends, []
+            sends.append(ep.gather_send([_CLOSE_HEADER]))
+            await asyncio.wait_for(_await_all(sends), timeout)
+        except BaseException as e:
+            logger.debug("%r: sending CLOSE failed: %r", self, e)
+            _finish(ep, rid)
+            if not isinstance(e, (Exception, asyncio.CancelledError)):
+                raise
+            return
+        if self._initiator:
+            # Linger until the listener's side has read CLOSE and closed its
+            # end (which closes ours), or until the timeout.
+            _Linger(ep, rid, timeout)
+        else:
+            await _close_gracefully(ep, rid, timeout)
+
+    async def _peer_closed(self) -> None:
+        """The peer's CLOSE was read: release our end."""
+        ep = self._ep
+        self._closed = True
+        if ep is None:
+            return
+        self._ep = None
+        self._finalizer.detach()
+        rid, self._resource_id = self._resource_id, None
+        if self._initiator or ep.closed:
+            _finish(ep, rid)
+        else:
+            await _close_gracefully(ep, rid, float(_config("close-timeout")))
+
+    def abort(self) -> None:
+        """Close at once. A CLOSE message is still posted first (best
+        effort: transports without peer-failure detection, such as shared
+        memory alone, would otherwise leave the peer waiting)."""
+        self._closed = True
+        ep, self._ep = self._ep, None
+        if ep is None:
+            return
+        self._sends = []
+        self._finalizer.detach()
+        rid, self._resource_id = self._resource_id, None
+        if not ep.closed:
+            try:
+                ep.gather_send([_CLOSE_HEADER])
+            except Exception:
+                pass
+        _finish(ep, rid)
+
+
+def _finish(ep, rid) -> None:
+    try:
+        ep.abort()
+    finally:
+        _release(rid)
+
+
+async def _close_gracefully(ep, rid, timeout: float) -> None:
+    try:
+        await asyncio.wait_for(_await(ep.close()), timeout)
+    except BaseException as e:
+        logger.debug("graceful close of %r failed: %r", ep, e)
+        if not isinstance(e, (Exception, asyncio.CancelledError)):
+            _finish(ep, rid)
+            raise
+    _finish(ep, rid)
+
+
+class _Linger:
+    """Keeps a closed comm's endpoint until the peer closes it, at most
+    ``timeout`` seconds; then aborts it. No task: the endpoint's close
+    callback and one timer handle hold it."""
+
+    __slots__ = ("ep", "rid", "handle")
+
+    def __init__(self, ep, rid, timeout: float):
+        self.ep = ep
+        self.rid = rid
+        self.handle = asyncio.get_running_loop().call_later(timeout, self.done)
+        ep.set_close_callback(self.done)
+
+    def done(self) -> None:
+        ep, self.ep = self.ep, None
+        if ep is None:
+            return
+        self.handle.cancel()
+        ep.set_close_callback(None)
+        _finish(ep, self.rid)
+
+
+async def _await(aw):
+    return await aw
+
+
+async def _await_all(reqs) -> None:
+    for req in reqs:
+        await req
+
+
+def _recv(ep, bufs: list, gather: bool):
+    """Receive ``bufs`` in order on the comm's tag. On an open endpoint this
+    is one ``recv`` / ``gather_recv``. On an endpoint that is already closed
+    (the peer closed the connection: ucxx then closes our side too) the
+    messages that had arrived before the close are still delivered, from the
+    worker's queue of unexpected messages."""
+    if not ep.closed:
+        try:
+            return ep.gather_recv(bufs) if gather else ep.recv(bufs[0])
+        except _UCXError:
+            if not ep.closed:
+                raise
+    return _recv_arrived(ep, bufs)
+
+
+async def _recv_arrived(ep, bufs: list) -> None:
+    """Receive ``bufs`` from messages that already arrived, else fail."""
+    worker = ep.worker
+    tag = ep.recv_tag
+    reqs = [worker.tag_recv(b, tag) for b in bufs]
+    try:
+        for _ in range(_ARRIVED_SPINS):
+            if all(r.done() for r in reqs):
+                break
+            worker.progress()
+            await asyncio.sleep(0)
+        for r in reqs:
+            if not r.done():
+                raise CommClosedError("the peer closed the connection")
+            r.result()
+    finally:
+        for r in reqs:
+            if not r.done():
+                r.cancel()
+    return None
+
+
+# Progress rounds _recv_arrived allows for messages that are still being
+# delivered when the endpoint closes (rendezvous fragments, ...).
+_ARRIVED_SPINS = 64
+
+
+def _local_address_for(ip: str) -> str:
+    """The local IP through which ``ip`` is reached."""
+    try:
+        return get_ip(ip)
+    except Exception:  # pragma: no cover - no route
+        return "127.0.0.1"
+
+
+# --------------------------------------------------------------------------
+# Connector
+# --------------------------------------------------------------------------
+
+
+class UCXXConnector(Connector):
+    prefix = "ucxx://"
+    comm_class = UCXX
+    encrypted = False
+
+    async def connect(self, address: str, deserialize: bool = True, **connection_args) -> UCXX:
+        if connection_args.get("require_encryption"):
+            raise RuntimeError(
+                "encryption required by Dask configuration, refusing "
+                f"communication to {self.prefix + address!r} (ucxx is not encrypted)"
+            )
+        ip, port = parse_host_port(address)
+        init_once()
+        rid = _acquire()
+        try:
+            ep = await ucxx.create_endpoint(ip, port)
+        except _UCXError as e:
+            _release(rid)
+            raise CommClosedError(f"ucxx: cannot connect to {self.prefix + address}: {e!r}") from e
+        except BaseException:
+            _release(rid)
+            raise
+        local = self.prefix + unparse_host_port(_local_address_for(ensure_ip(ip)), _endpoint_port(ep))
+        comm = self.comm_class(ep, local, self.prefix + address, deserialize, rid, True)
+        # HELLO: our address, so that the listener side knows its peer.
+        await comm._send_frames([local.encode()], FLAG_HELLO)
+        return comm
+
+
+def _endpoint_port(ep) -> int:
+    """Local port of the endpoint's connection when ucxx exposes it, else 0."""
+    for name in ("local_port", "port"):
+        port = getattr(ep, name, None)
+        if isinstance(port, int):
+            return port
+    return 0
+
+
+# --------------------------------------------------------------------------
+# Listener
+# --------------------------------------------------------------------------
+
+
+class UCXXListener(BaseListener):
+    prefix = UCXXConnector.prefix
+    comm_class = UCXXConnector.comm_class
+    encrypted = UCXXConnector.encrypted
+
+    def __init__(
+        self,
+        address: str,
+        comm_handler: Callable[[UCXX], Awaitable[None]] | None = None,
+        deserialize: bool = True,
+        allow_offload: bool = True,
+        default_host: str | None = None,
+        default_port: int = 0,
+        **connection_args: Any,
+    ):
+        super().__init__()
+        if connection_args.get("require_encryption"):
+            raise RuntimeError(
+                "encryption required by Dask configuration, refusing "
+                f"communication from {self.prefix + address!r} (ucxx is not encrypted)"
+            )
+        if address.startswith(self.prefix):
+            address = address[len(self.prefix) :]
+        self.ip, self._input_port = parse_host_port(address, default_port)
+        if not self.ip:
+            self.ip = "0.0.0.0"
+        self.default_host = default_host
+        self.comm_handler = comm_handler
+        self.deserialize = deserialize
+        self.allow_offload = allow_offload
+        self._listener = None
+        self._resource_id: int | None = None
+        self._pending: set[UCXX] = set()
+
+    async def start(self) -> None:
+        init_once()
+        self._resource_id = _acquire()
+        try:
+            self._listener = ucxx.create_listener(
+                self._on_accept, port=self._input_port or None, host=self.ip
+            )
+        except _UCXError as e:
+            _release(self._resource_id)
+            self._resource_id = None
+            raise OSError(
+                f"ucxx: cannot listen on {self.prefix}{unparse_host_port(self.ip, self._input_port)}: {e!r}"
+            ) from e
+        except BaseException:
+            _release(self._resource_id)
+            self._resource_id = None
+            raise
+
+    async def _on_accept(self, ep) -> None:
+        """ucxx listener callback (runs in the listener's task for this
+        connection): HELLO, dask handshake, then the comm handler."""
+        if self._listener is None:
+            ep.abort()
+            return
+        local = self.contact_address
+        comm = self.comm_class(
+            ep, local, self.prefix + "unknown:0", self.deserialize, _acquire(), False
+        )
+        comm.allow_offload = self.allow_offload
+        self._pending.add(comm)
+        try:
+            try:
+                timeout = dask.utils.parse_timedelta(
+                    dask.config.get("distributed.comm.timeouts.connect"), default="seconds"
+                )
+                flags, frames = await asyncio.wait_for(comm._recv_frames(), timeout)
+                if not flags & FLAG_HELLO or len(frames) != 1:
+                    raise ValueError("the first message of a ucxx comm is not a HELLO")
+                comm._peer_addr = bytes(frames[0]).decode()
+            except (CommClosedError, asyncio.TimeoutError, ValueError) as e:
+                logger.debug("ucxx connection closed before its HELLO: %r", e)
+                comm.abort()
+                return
+            if self._listener is None:
+                # stop() ran meanwhile; abort_handshaking_comms() did not see us.
+                comm.abort()
+                return
+        finally:
+            self._pending.discard(comm)
+        try:
+            await self.on_connection(comm)
+        except CommClosedError:
+            logger.debug("Connection from %s closed before handshake completed", comm.peer_address)
+            return
+        except BaseException:
+            comm.abort()
+            raise
+        if self.comm_handler is not None:
+            await self.comm_handler(comm)
+
+    def stop(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
+        for comm in list(self._pending):
+            comm.abort()
+        self._pending.clear()
+        self.abort_handshaking_comms()
+        rid, self._resource_id = self._resource_id, None
+        _release(rid)
+
+    def get_host_port(self) -> tuple[str, int]:
+        if self._listener is None:
+            raise ValueError("invalid operation on non-started UCXXListener")
+        return self.ip, self._listener.port
+
+    @property
+    def port(self) -> int:
+        return self.get_host_port()[1]
+
+    @property
+    def listen_address(self) -> str:
+        return self.prefix + unparse_host_port(*self.get_host_port())
+
+    @property
+    def contact_address(self) -> str:
+        host, port = self.get_host_port()
+        host = ensure_concrete_host(host, default_host=self.default_host)
+        return self.prefix + unparse_host_port(host, port)
+
+
+# --------------------------------------------------------------------------
+# Backend
+# --------------------------------------------------------------------------
+
+
+class UCXXBackend(Backend):
+    """The ``ucxx://`` scheme."""
+
+    def get_connector(self) -> UCXXConnector:
+        return UCXXConnector()
+
+    def get_listener(self, loc, handle_comm, deserialize, **connection_args) -> UCXXListener:
+        return UCXXListener(loc, handle_comm, deserialize, **connection_args)
+
+    def get_address_host(self, loc: str) -> str:
+        return parse_host_port(loc)[0]
+
+    def get_address_host_port(self, loc: str) -> tuple[str, int]:
+        return parse_host_port(loc)
+
+    def resolve_address(self, loc: str) -> str:
+        host, port = parse_host_port(loc)
+        return unparse_host_port(ensure_ip(host), port)
+
+    def get_local_address_for(self, loc: str) -> str:
+        host, port = parse_host_port(loc)
+        return unparse_host_port(_local_address_for(ensure_ip(host)), None)
