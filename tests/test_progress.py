@@ -1,0 +1,219 @@
+"""The progress coroutine under stress (DESIGN.md, "The progress coroutine").
+
+Many tasks post sends and receives at random points relative to the
+progress coroutine: after random numbers of ``sleep(0)``, right after the
+worker armed (before the loop polls), from plain loop callbacks, in bursts;
+in one process (two workers on one loop) and across two processes, over tcp
+and shared memory, in blocking mode, polling mode and with a spin budget.
+Every run is bounded by a timeout (a lost wakeup shows as a hang), every
+payload is checked, and a selector probe asserts that the loop never blocks
+in its poll while a blocking-mode worker is not armed.
+"""
+
+import asyncio
+import zlib
+
+import pytest
+
+import _peer
+from _util import (THRESH, BlockingPollProbe, Local, Pair, pingpong, stress)
+
+CONFIGS = [
+    ("blocking", None),
+    ("polling", None),
+    ("blocking", 50.0),
+    ("polling", 20.0),
+]
+CONFIG_IDS = ["blocking", "polling", "blocking-spin50", "polling-spin20"]
+NSTREAMS = 6
+NMSGS = 400
+NPINGPONG = 200
+
+
+def seed_of(*params) -> int:
+    return zlib.crc32(repr(params).encode())
+
+
+def check_probe(probe, mode):
+    assert not probe.violations, probe.violations[:5]
+    if mode == "blocking":
+        # the loop really slept on the worker's fd at some point
+        assert probe.blocking > 0
+    else:
+        # polling: the progress task keeps the loop from blocking, except
+        # where nothing at all is left to do between phases
+        assert probe.polls > 0
+
+
+@pytest.mark.timeout(10)
+async def test_probe_detects_an_unarmed_worker():
+    """The probe itself: a (fake) blocking worker that is not armed while
+    the loop sleeps is reported."""
+    loop = asyncio.get_running_loop()
+
+    class FakeWorker:
+        closed = False
+        progress_mode = "blocking"
+        armed = False
+
+    fake = FakeWorker()
+    fake.loop = loop
+    probe = BlockingPollProbe(loop, [fake])
+    try:
+        await asyncio.sleep(0.01)
+    finally:
+        probe.close()
+    assert probe.blocking >= 1 and probe.violations
+    assert "select" not in vars(loop._selector)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tl", ["tcp", "shm"])
+@pytest.mark.parametrize("mode,spin", CONFIGS, ids=CONFIG_IDS)
+async def test_stress_two_processes(tl, mode, spin):
+    seed = seed_of(tl, mode, spin)
+    loop = asyncio.get_running_loop()
+    s = await _peer.connect(tl, "stress", mode, spin, seed=seed, nstreams=NSTREAMS,
+                            nmsgs=NMSGS, npingpong=NPINGPONG)
+    try:
+        probe = BlockingPollProbe(loop, [s.w])
+        try:
+            stats = await stress(s.w, s.ep, 0, 1, seed, NSTREAMS, NMSGS, timeout=60)
+            assert await pingpong(s.w, s.ep, 0, NPINGPONG, seed) == NPINGPONG
+            # idle for a moment: a blocking-mode loop sleeps on an armed worker
+            await asyncio.sleep(0.05)
+        finally:
+            probe.close()
+        peer = await s.done()
+        assert stats["sent"] == stats["recvd"] == NSTREAMS * NMSGS
+        assert peer["sent"] == peer["recvd"] == NSTREAMS * NMSGS
+        assert peer["pingpong"] == NPINGPONG
+        assert not peer["violations"], peer["violations"]
+        check_probe(probe, mode)
+        if mode == "blocking":
+            assert s.w.armed
+            assert stats["armed_posts"] > 0, "no post landed while the worker was armed"
+        assert stats["callback_posts"] > 0 and stats["bursts"] > 0
+        await s.finish()
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tl", ["tcp", "shm_eh"])
+async def test_stress_mixed_modes(tl):
+    """This side blocking with a spin budget, the peer polling."""
+    seed = seed_of("mixed", tl)
+    s = await _peer.connect(tl, "stress", "blocking", 30.0, peer_mode="polling",
+                            peer_spin_us=0, seed=seed, nstreams=4, nmsgs=200,
+                            npingpong=100)
+    try:
+        probe = BlockingPollProbe(asyncio.get_running_loop(), [s.w])
+        try:
+            await stress(s.w, s.ep, 0, 1, seed, 4, 200, timeout=60)
+            await pingpong(s.w, s.ep, 0, 100, seed)
+        finally:
+            probe.close()
+        peer = await s.done()
+        assert peer["recvd"] == 800 and not peer["violations"]
+        assert not probe.violations, probe.violations[:5]
+        await s.finish()
+    finally:
+        s.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("tl", ["tcp", "shm"])
+@pytest.mark.parametrize("mode,spin", CONFIGS, ids=CONFIG_IDS)
+async def test_stress_one_process(tl, mode, spin):
+    """Two workers on one loop, traffic both ways."""
+    seed = seed_of("one", tl, mode, spin)
+    loop = asyncio.get_running_loop()
+    p = Pair(tl, mode, spin)
+    try:
+        p.a.start(loop)
+        p.b.start(loop)
+        probe = BlockingPollProbe(loop, [p.a, p.b])
+        try:
+            sa, sb = await asyncio.wait_for(asyncio.gather(
+                stress(p.a, p.ab, 0, 1, seed, NSTREAMS, NMSGS // 2),
+                stress(p.b, p.ba, 1, 0, seed, NSTREAMS, NMSGS // 2)), 90)
+            await asyncio.wait_for(asyncio.gather(
+                pingpong(p.a, p.ab, 0, NPINGPONG, seed),
+                pingpong(p.b, p.ba, 1, NPINGPONG, seed)), 60)
+            await asyncio.sleep(0.05)
+        finally:
+            probe.close()
+        assert sa["recvd"] == sb["recvd"] == NSTREAMS * (NMSGS // 2)
+        check_probe(probe, mode)
+        if mode == "blocking":
+            assert p.a.armed and p.b.armed
+    finally:
+        p.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("tl", ["tcp", "shm"])
+async def test_post_while_armed_same_turn(tl):
+    """Posts made after the worker armed, in the same loop turn (from a
+    plain callback): the worker is re-armed before the loop blocks, and the
+    transfers complete with nothing else happening."""
+    loop = asyncio.get_running_loop()
+    p = Pair(tl, "blocking")
+    try:
+        p.a.start(loop)
+        p.b.start(loop)
+        out = bytearray(THRESH + 1)
+        await asyncio.gather(p.ab.tag_send(b"warm", 1), p.b.tag_recv(bytearray(4), 1))
+        probe = BlockingPollProbe(loop, [p.a, p.b])
+        try:
+            for i in range(50):
+                size = (1, 100, THRESH + 1)[i % 3]
+                data = bytes([i]) * size
+                await asyncio.sleep(0.002)  # let both loops go idle
+                assert p.a.armed and p.b.armed
+                posted = loop.create_future()
+
+                def cb():
+                    assert p.a.armed and p.b.armed
+                    r = p.b.tag_recv(memoryview(out)[:size], 2)
+                    s = p.ab.tag_send(data, 2)
+                    posted.set_result((r, s))
+
+                loop.call_soon(cb)
+                r, s = await posted
+                await asyncio.wait_for(asyncio.gather(r, s), 5)
+                assert out[:size] == data
+        finally:
+            probe.close()
+        assert not probe.violations, probe.violations[:5]
+        assert probe.blocking >= 50
+    finally:
+        p.close()
+
+
+@pytest.mark.timeout(30)
+async def test_idle_worker_is_armed_and_wakes():
+    """A blocking-mode worker left idle is armed; a message arriving after a
+    long idle period wakes the loop (no periodic watchdog needed)."""
+    loop = asyncio.get_running_loop()
+    loc = Local("tcp", "blocking")
+    try:
+        loc.w.start(loop)
+        await asyncio.gather(loc.ep.tag_send(b"x", 1), loc.w.tag_recv(bytearray(1), 1))
+        await asyncio.sleep(0.05)
+        assert loc.w.armed
+        out = bytearray(5)
+        r = loc.w.tag_recv(out, 2)
+        probe = BlockingPollProbe(loop, [loc.w])
+        try:
+            # The send is posted from a timer while the loop sleeps.
+            loop.call_later(0.2, lambda: loc.ep.tag_send(b"hello", 2))
+            assert await asyncio.wait_for(r, 5) == 5
+        finally:
+            probe.close()
+        assert out == b"hello"
+        assert not probe.violations
+        assert probe.blocking >= 1
+    finally:
+        loc.close()

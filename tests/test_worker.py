@@ -1,0 +1,451 @@
+"""Worker: construction and options, loop attachment and the one progress
+task, manual progress without asyncio, arm/signal on the event fd, spin
+budgets, listeners and worker-level receives, thread and loop checks."""
+
+import asyncio
+import collections.abc
+import gc
+import select
+import struct
+import threading
+import warnings
+
+import pytest
+
+import _peer
+from _util import THRESH, Local, TurnCounter, options, pattern
+from ucxx import _ucxx as U
+
+
+@pytest.fixture
+def ctx():
+    c = U.Context(options("tcp"))
+    yield c
+    gc.collect()
+    c.close()
+
+
+# ------------------------------------------------------------------ construction
+@pytest.mark.timeout(30)
+def test_modes_and_options(ctx):
+    for mode in ("blocking", "polling"):
+        w = U.Worker(ctx, mode)
+        try:
+            assert w.progress_mode == mode
+            assert w.context is ctx
+            assert isinstance(w.spin_us, float) and w.spin_us >= 0
+            assert isinstance(w.efd, int) and w.efd >= 0
+            assert isinstance(w.address, bytes) and len(w.address) > 8
+            assert w.address == w.address
+            assert not w.closed and w.loop is None and w.task is None
+            assert w.npending == 0
+            assert isinstance(w.info(), str) and w.info()
+            w.spin_us = 12.5
+            assert w.spin_us == 12.5
+            w.spin_us = 0
+            assert w.spin_us == 0
+            with pytest.raises(ValueError):
+                w.spin_us = -1
+            with pytest.raises(TypeError):
+                w.spin_us = "fast"
+        finally:
+            w.close()
+    w = U.Worker(ctx, "polling", spin_us=7)
+    assert w.spin_us == 7.0
+    w.close()
+    assert U.Worker(ctx).progress_mode == "blocking"  # closed when collected
+    gc.collect()
+
+
+@pytest.mark.timeout(30)
+def test_bad_constructor_arguments(ctx):
+    with pytest.raises(ValueError):
+        U.Worker(ctx, "spinning")
+    with pytest.raises((ValueError, TypeError)):
+        U.Worker(ctx, 1)
+    with pytest.raises(ValueError):
+        U.Worker(ctx, "polling", spin_us=-5)
+    with pytest.raises(ValueError):
+        U.Worker(ctx, "polling", spin_us=1e9)
+    with pytest.raises(TypeError):
+        U.Worker("not a context")
+    with pytest.raises(TypeError):
+        U.Endpoint()
+    with pytest.raises(TypeError):
+        U.Request()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.xfail(strict=True, raises=U.UCXError,
+                   reason="Worker_new: a worker refused after ucp_worker_create stays "
+                          "counted on its context (reference cycle via _rearm) until GC")
+def test_blocking_needs_wakeup():
+    ctx = U.Context(options("tcp"), features=U.FEATURE_TAG)
+    try:
+        w = U.Worker(ctx, "polling")
+        assert w.efd == -1
+        w.close()
+        with pytest.raises(ValueError):
+            U.Worker(ctx, "blocking")
+        # The refused worker is not left open on the context until a GC
+        # pass finds it (and warns about an object the caller never had).
+        ctx.close()
+    finally:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            gc.collect()
+        ctx.close()
+
+
+@pytest.mark.timeout(30)
+def test_invalid_address(ctx):
+    w = U.Worker(ctx)
+    try:
+        with pytest.raises(U.UCXError):
+            w.ep_from_address(b"abc")
+        with pytest.raises(TypeError):
+            w.ep_from_address("not bytes")
+        assert w.npending == 0
+    finally:
+        w.close()
+
+
+# ------------------------------------------------------------------ manual progress
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("size", [10, THRESH + 1, 1 << 20])
+def test_manual_progress_without_asyncio(ctx, size):
+    w = U.Worker(ctx, "polling")
+    ep = w.ep_from_address(w.address)
+    try:
+        out = bytearray(size)
+        r = w.tag_recv(out, 3)
+        with pytest.raises((asyncio.InvalidStateError, U.UCXError)):
+            r.result()
+        assert r.status == 1  # UCS_INPROGRESS
+        s = ep.tag_send(pattern(size), 3)
+        for _ in range(100000):
+            if r.done() and s.done():
+                break
+            w.progress()
+        assert r.done() and s.done()
+        assert r.result() == size and s.result() is None
+        assert r.status == 0 and s.status == 0
+        assert out == pattern(size)
+        assert w.loop is None  # nothing attached it to a loop
+    finally:
+        ep.abort()
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_arm_and_signal_wake_the_fd(ctx):
+    w = U.Worker(ctx, "blocking")
+    try:
+        for _ in range(1000):
+            w.progress()
+            if w.arm():
+                break
+        else:
+            pytest.fail("the worker never armed")
+        r, _, _ = select.select([w.efd], [], [], 0.05)
+        assert not r, "an armed idle worker's fd is readable"
+        w.signal()
+        r, _, _ = select.select([w.efd], [], [], 5)
+        assert r == [w.efd], "signal() did not wake the fd"
+        w.progress()
+    finally:
+        w.close()
+
+
+@pytest.mark.timeout(30)
+def test_manual_blocking_protocol_never_stalls(ctx):
+    """The blocking protocol by hand, two workers in one thread: progress
+    until idle, arm, sleep on both fds. Every arrival (connection set-up,
+    data, completions) wakes an fd: the select never times out before the
+    transfer is done."""
+    a = U.Worker(ctx, "blocking")
+    b = U.Worker(ctx, "blocking")
+    ab = a.ep_from_address(b.address)
+    try:
+        out = bytearray(THRESH + 1)
+        r = b.tag_recv(out, 4)
+        s = ab.tag_send(pattern(THRESH + 1), 4)
+
+        def settle(w):
+            for _ in range(10000):
+                while w.progress():
+                    pass
+                if w.arm():
+                    return
+            pytest.fail("the worker never armed")
+
+        for _ in range(100):
+            if r.done() and s.done():
+                break
+            settle(a)
+            settle(b)
+            if r.done() and s.done():
+                break
+            ready, _, _ = select.select([a.efd, b.efd], [], [], 5)
+            assert ready, f"stalled: recv done={r.done()} send done={s.done()}"
+        assert r.done() and s.done()
+        assert out == pattern(THRESH + 1)
+    finally:
+        ab.abort()
+        a.close()
+        b.close()
+
+
+# ------------------------------------------------------------------ loop attachment
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["blocking", "polling"])
+async def test_one_progress_task_per_worker_and_loop(mode):
+    loop = asyncio.get_running_loop()
+    loc = Local("tcp", mode, spin_us=0)
+    try:
+        task = loc.w.start(loop)
+        assert isinstance(task, asyncio.Task)
+        assert loc.w.start(loop) is task
+        assert loc.w.task is task and loc.w.loop is loop
+        coro = task.get_coro()
+        assert isinstance(coro, collections.abc.Coroutine)
+        assert isinstance(coro, U.ProgressCoroutine)
+        assert coro.worker is loc.w
+        before = set(asyncio.all_tasks(loop))
+        for i in range(300):
+            size = (0, 10, THRESH + 1)[i % 3]
+            out = bytearray(size)
+            await asyncio.gather(loc.ep.tag_send(pattern(size, i), 5), loc.w.tag_recv(out, 5))
+            assert out == pattern(size, i)
+        # the same task and coroutine, never re-created, and no new tasks
+        assert loc.w.task is task and task.get_coro() is coro and not task.done()
+        assert set(asyncio.all_tasks(loop)) == before
+    finally:
+        loc.close()
+    await asyncio.sleep(0)
+    assert task.done()
+
+
+@pytest.mark.timeout(30)
+async def test_await_attaches_implicitly():
+    loc = Local("tcp", "blocking", spin_us=0)
+    try:
+        assert loc.w.loop is None
+        out = bytearray(THRESH + 1)
+        r = loc.w.tag_recv(out, 6)
+        s = loc.ep.tag_send(pattern(THRESH + 1), 6)
+        await asyncio.wait_for(asyncio.gather(r, s), 10)
+        assert loc.w.loop is asyncio.get_running_loop()
+        assert isinstance(loc.w.task, asyncio.Task)
+    finally:
+        loc.close()
+
+
+@pytest.mark.timeout(30)
+async def test_use_from_another_thread_raises():
+    loc = Local("tcp")
+    loc.w.start(asyncio.get_running_loop())
+    errors = []
+
+    def other():
+        try:
+            loc.w.tag_recv(bytearray(1), 1)
+        except BaseException as e:
+            errors.append(e)
+
+    try:
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+        assert loc.w.npending == 0
+    finally:
+        loc.close()
+
+
+@pytest.mark.timeout(30)
+async def test_worker_driven_by_another_running_loop():
+    """A worker attached to a loop that is running in another thread cannot
+    be driven from this loop."""
+    loc = Local("tcp")
+    other = asyncio.new_event_loop()
+    started = threading.Event()
+
+    def run():
+        asyncio.set_event_loop(other)
+        other.call_soon(started.set)
+        other.run_forever()
+
+    th = threading.Thread(target=run)
+    th.start()
+    try:
+        started.wait(5)
+        fut = asyncio.run_coroutine_threadsafe(_start(loc.w), other)
+        fut.result(5)
+        with pytest.raises(RuntimeError):
+            loc.w.start(asyncio.get_running_loop())
+    finally:
+        def stop_and_close():
+            loc.close()
+            other.stop()
+
+        other.call_soon_threadsafe(stop_and_close)
+        th.join(10)
+        other.close()
+
+
+async def _start(w):
+    w.start(asyncio.get_running_loop())
+
+
+# ------------------------------------------------------------------ spin budget
+@pytest.mark.timeout(30)
+async def test_polling_spin_budget_in_one_process():
+    """Polling mode: with no budget an await that cannot complete at once
+    suspends; with a budget the (loopback) message completes it inline."""
+    loop = asyncio.get_running_loop()
+    for spin in (0.0, 200000.0):
+        loc = Local("tcp", "polling", spin_us=spin)
+        try:
+            loc.w.start(loop)
+            await asyncio.gather(loc.ep.tag_send(b"w", 1), loc.w.tag_recv(bytearray(1), 1))
+            turned = []
+            for i in range(20):
+                out = bytearray(64)
+                r = loc.w.tag_recv(out, 2)
+                s = loc.ep.tag_send(pattern(64, i), 2)
+                counter = TurnCounter(loop)
+                try:
+                    assert await r == 64
+                    turned.append(counter.turns > 0)
+                finally:
+                    counter.stop()
+                await s
+                assert out == pattern(64, i)
+            if spin == 0:
+                assert all(turned), "spin_us=0 must not progress inline"
+            else:
+                assert not any(turned), "a message within the spin budget needed a loop turn"
+        finally:
+            loc.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "polling"])
+async def test_spin_budget_two_processes(mode):
+    """A reply from another process that arrives within the spin budget
+    completes the await without a loop turn; without a budget the task
+    suspends and the loop turns."""
+    loop = asyncio.get_running_loop()
+    results = {}
+    for spin in (0.0, 200000.0):
+        s = await _peer.connect("tcp", "echo", mode, spin, peer_mode="blocking")
+        try:
+            w, ep = s.w, s.ep
+            turned = []
+            for i in range(40):
+                out = bytearray(64)
+                r = ep.tag_recv(out, 3)
+                await ep.tag_send(struct.pack("<Q", 64), 1)
+                await ep.tag_send(pattern(64, i), 2)
+                counter = TurnCounter(loop)
+                try:
+                    assert await asyncio.wait_for(r, 10) == 64 if spin == 0 else await r == 64
+                    turned.append(counter.turns > 0)
+                finally:
+                    counter.stop()
+                assert out == pattern(64, i)
+            await ep.tag_send(struct.pack("<Q", _peer.STOP), 1)
+            await s.done()
+            await s.finish()
+        finally:
+            s.close()
+        results[spin] = sum(turned[5:])  # after warm-up
+    assert results[0.0] >= 20, f"only {results[0.0]}/35 awaits suspended without a budget"
+    assert results[200000.0] == 0, f"{results[200000.0]}/35 awaits suspended within the budget"
+
+
+# ------------------------------------------------------------------ listener, worker receives
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["blocking", "polling"])
+async def test_listener_and_client_in_one_process(ctx, mode):
+    loop = asyncio.get_running_loop()
+    w = U.Worker(ctx, mode)
+    w.start(loop)
+    accepted = []
+    got = loop.create_future()
+
+    def on_connect(ep):
+        assert asyncio.get_running_loop() is loop
+        assert threading.current_thread() is threading.main_thread()
+        accepted.append(ep)
+        if not got.done():
+            got.set_result(ep)
+
+    listener = w.listen(on_connect, 0, "127.0.0.1")
+    try:
+        assert listener.port > 0 and listener.ip == "127.0.0.1" and not listener.closed
+        client = w.ep_from_sockaddr("127.0.0.1", listener.port)
+        server = await asyncio.wait_for(got, 10)
+        assert isinstance(server, U.Endpoint) and server.alive
+        for size in (0, 1, THRESH + 1, 1 << 20):
+            out = bytearray(size)
+            await asyncio.gather(client.tag_send(pattern(size), 1), server.tag_recv(out, 1))
+            assert out == pattern(size)
+            out = bytearray(size)
+            await asyncio.gather(server.tag_send(pattern(size, 1), 2), client.tag_recv(out, 2))
+            assert out == pattern(size, 1)
+        with pytest.raises(U.UCXError):
+            w.listen(on_connect, listener.port, "127.0.0.1")
+        with pytest.raises(ValueError):
+            w.listen(on_connect, 0, "not-an-address")
+        with pytest.raises(TypeError):
+            w.listen(42, 0, "127.0.0.1")
+        await asyncio.sleep(0.01)
+        assert len(accepted) == 1
+        await client.close()
+        server.abort()
+    finally:
+        listener.close()
+        w.close()
+
+
+@pytest.mark.timeout(30)
+async def test_worker_recv_from_any_endpoint(ctx):
+    w = U.Worker(ctx)
+    w.start(asyncio.get_running_loop())
+    eps = [w.ep_from_address(w.address) for _ in range(3)]
+    try:
+        outs = [bytearray(3) for _ in eps]
+        recvs = [w.tag_recv(o, 9) for o in outs]
+        for i, ep in enumerate(eps):
+            await ep.tag_send(b"ep%d" % i, 9)
+        await asyncio.wait_for(asyncio.gather(*recvs), 10)
+        assert sorted(outs) == [b"ep0", b"ep1", b"ep2"]
+        assert len({ep.uid for ep in eps}) == 3
+    finally:
+        for ep in eps:
+            ep.abort()
+        w.close()
+
+
+@pytest.mark.timeout(30)
+async def test_npending_tracks_requests(ctx):
+    w = U.Worker(ctx)
+    w.start(asyncio.get_running_loop())
+    ep = w.ep_from_address(w.address)
+    try:
+        reqs = [w.tag_recv(bytearray(4), 100 + i) for i in range(5)]
+        assert w.npending == 5
+        big = ep.tag_send(pattern(1 << 20), 200)  # rendezvous: pending
+        assert w.npending == 6
+        for i, r in enumerate(reqs):
+            await ep.tag_send(b"abcd", 100 + i)
+            await r
+            assert w.npending == 6 - i - 1
+        out = bytearray(1 << 20)
+        await asyncio.gather(big, w.tag_recv(out, 200))
+        assert w.npending == 0
+    finally:
+        ep.abort()
+        w.close()
