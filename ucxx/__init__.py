@@ -88,6 +88,7 @@ from .core import (  # noqa: E402,F401
     init,
     progress,
     recv,
+    register_am_allocator,
     reset,
     stop_notifier_thread,
 )

@@ -27,6 +27,7 @@ __all__ = [
     "progress",
     "continuous_ucx_progress",
     "recv",
+    "register_am_allocator",
     "get_ucp_context_info",
     "get_ucp_worker_info",
     "get_active_transports",
@@ -182,6 +183,19 @@ async def create_endpoint_from_worker_address(address, endpoint_error_handling=T
     return await _get_ctx().create_endpoint_from_worker_address(
         address, endpoint_error_handling=endpoint_error_handling
     )
+
+
+def register_am_allocator(allocator, allocator_type="host") -> None:
+    """Allocate received active messages of ``allocator_type`` ("host" or
+    "cuda") with ``allocator(nbytes)`` (it must return a writable buffer, or
+    an object with ``__cuda_array_interface__`` for "cuda"). The host default
+    is ``bytearray``."""
+    types = {"host": _ucxx.MEMORY_TYPE_HOST, "cuda": _ucxx.MEMORY_TYPE_CUDA}
+    if allocator_type not in types:
+        raise ValueError(
+            f"allocator_type must be 'host' or 'cuda', not {allocator_type!r}"
+        )
+    _get_ctx().worker.register_am_allocator(types[allocator_type], allocator)
 
 
 def get_worker_address() -> bytes:
