@@ -173,17 +173,11 @@ def new_event_loop(kind: str = "asyncio") -> asyncio.AbstractEventLoop:
 
 
 def run_until_complete(coro, kind: str = "asyncio"):
-    """Run ``coro`` to completion on a new loop of ``kind`` and close it."""
-    loop = new_event_loop(kind)
-    asyncio.set_event_loop(loop)
-    try:
-        return loop.run_until_complete(coro)
-    finally:
-        try:
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            asyncio.set_event_loop(None)
-            loop.close()
+    """Run ``coro`` on a new loop of ``kind``, like ``asyncio.run``: tasks
+    still pending at the end (also after an error) are cancelled and
+    awaited before the loop closes."""
+    with asyncio.Runner(loop_factory=lambda: new_event_loop(kind)) as runner:
+        return runner.run(coro)
 
 
 class GilContention:
