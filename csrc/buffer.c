@@ -187,13 +187,19 @@ ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b)
     b->owner = NULL;
     b->view.obj = NULL;
     if (PyObject_CheckBuffer(obj)) {
-        if (PyObject_GetBuffer(obj, &b->view, flags) < 0) {
+        if (PyObject_GetBuffer(obj, &b->view, flags) == 0) {
+            b->ptr = b->view.buf;
+            b->len = (size_t)b->view.len;
+            b->mem_type = UCS_MEMORY_TYPE_HOST;
+            return 0;
+        }
+        b->view.obj = NULL;
+        /* Device arrays may define a __buffer__ that refuses (cupy on
+         * Python >= 3.12): their CUDA interface is what counts then. */
+        if (!PyObject_HasAttrString(obj, "__cuda_array_interface__")) {
             return -1;
         }
-        b->ptr = b->view.buf;
-        b->len = (size_t)b->view.len;
-        b->mem_type = UCS_MEMORY_TYPE_HOST;
-        return 0;
+        PyErr_Clear();
     }
     cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
     if (cai == NULL) {
