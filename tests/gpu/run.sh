@@ -8,6 +8,7 @@ cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/ucxx-gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+export UCX_NET_DEVICES=${UCX_NET_DEVICES:-lo}
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile \
         --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
