@@ -196,10 +196,16 @@ ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b)
         b->view.obj = NULL;
         /* Device arrays may define a __buffer__ that refuses (cupy on
          * Python >= 3.12): their CUDA interface is what counts then. */
-        if (!PyObject_HasAttrString(obj, "__cuda_array_interface__")) {
-            return -1;
+        {
+            PyObject *exc = PyErr_GetRaisedException_compat();
+            int has = PyObject_HasAttrString(obj, "__cuda_array_interface__");
+
+            if (!has) {
+                PyErr_SetRaisedException_compat(exc);
+                return -1;
+            }
+            Py_DECREF(exc);
         }
-        PyErr_Clear();
     }
     cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
     if (cai == NULL) {

@@ -103,18 +103,19 @@ def test_stream_is_synchronised():
     from ucxx import _ucxx as U
 
     s = cupy.cuda.Stream(non_blocking=True)
-    with s:
-        src = cupy.full(64 << 20, 7, dtype="u1")
-    assert src.__cuda_array_interface__.get("stream") not in (None, 1, 2)
     ctx = U.Context({})
     w = U.Worker(ctx)
     ep = w.ep_from_address(w.address)
 
     async def main():
-        dst = cupy.empty_like(src)
-        r = w.tag_recv(dst, 3)
-        await ep.tag_send(src, 3)
-        await r
+        with s:
+            src = cupy.full(64 << 20, 7, dtype="u1")
+            # Accessed under `with s`, the interface names stream s.
+            assert src.__cuda_array_interface__.get("stream") not in (None, 1, 2)
+            dst = cupy.empty_like(src)
+            r = w.tag_recv(dst, 3)
+            await ep.tag_send(src, 3)
+            await r
         cupy.cuda.Device().synchronize()
         assert int(dst.min()) == 7
 
