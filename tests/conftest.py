@@ -1,10 +1,13 @@
 """Shared fixtures for the ucxx tests.
 
-- ``check_leaks`` (autouse): after every test, asserts that no asyncio task,
-  Python thread or file descriptor was left behind. The global UCX context
-  is created *before* the baseline is taken (its worker's fds persist), so
-  only what the test itself opened counts. Tests that must start without a
-  context use ``@pytest.mark.no_ctx``.
+- ``check_leaks``: after a test, asserts that no asyncio task, Python thread
+  or file descriptor was left behind. The global UCX context is created
+  *before* the baseline is taken (its worker's fds persist), so only what
+  the test itself opened counts. Tests that must start without a context use
+  ``@pytest.mark.no_ctx``. It is autouse but acts only on tests marked
+  ``leak_check`` (a module opts in with
+  ``pytestmark = pytest.mark.leak_check``), so suites with their own
+  contexts and leak checks are left alone.
 - ``transport``: parametrises a test over the UCX transports of this
   machine; for a single-process test the fixture re-initialises UCX with
   ``UCX_TLS`` set accordingly; for a two-process test ``child_env`` gives
@@ -42,6 +45,9 @@ DEFAULT_TIMEOUT = 60
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "no_ctx: start the test without a UCX context")
+    config.addinivalue_line(
+        "markers", "leak_check: check for leaked tasks, threads and fds after the test"
+    )
     config.addinivalue_line("markers", "slow: long-running test")
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
 
@@ -134,17 +140,24 @@ async def _warm_up(ctx) -> None:
 # ------------------------------------------------------------------ fixtures
 @pytest.fixture(params=list(TRANSPORTS))
 def transport(request) -> str:
-    """Transport name (``tcp``/``shm``); see TRANSPORTS."""
-    return request.param
+    """Transport name (``tcp``/``shm``, see TRANSPORTS). The global context
+    is re-created with that ``UCX_TLS`` for the test, and reset after it.
+    Two-process tests pass ``child_env(transport)`` to the peer."""
+    ucxx.reset()
+    ucxx.init(options=tls_options(request.param))
+    yield request.param
+    ucxx.reset()
 
 
 @pytest.fixture(autouse=True)
 async def check_leaks(request):
+    if request.node.get_closest_marker("leak_check") is None:
+        yield
+        return
     loop = asyncio.get_running_loop()
     # Bring UCX to the state the test wants, *then* take the baseline.
     if "transport" in request.fixturenames:
-        ucxx.reset()
-        ucxx.init(options=tls_options(request.getfixturevalue("transport")))
+        request.getfixturevalue("transport")  # (re)initialises the context
         ucxx.core._get_ctx().continuous_ucx_progress(loop)
         await _warm_up(ucxx.core._ctx)
     elif request.node.get_closest_marker("no_ctx") is not None:

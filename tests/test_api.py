@@ -10,6 +10,8 @@ import ucxx
 import ucxx.core
 from ucxx import _ucxx
 
+pytestmark = pytest.mark.leak_check
+
 PUBLIC = [
     "init", "reset", "create_listener", "create_endpoint",
     "create_endpoint_from_worker_address", "get_worker_address",

@@ -13,6 +13,8 @@ import ucxx
 import ucxx.core
 from conftest import child_env
 
+pytestmark = pytest.mark.leak_check
+
 HOST = "127.0.0.1"
 
 

@@ -13,6 +13,8 @@ import ucxx.core
 from conftest import child_env, free_port
 from ucxx._lib_async import exchange_peer_info as hs
 
+pytestmark = pytest.mark.leak_check
+
 HOST = "127.0.0.1"
 
 
