@@ -272,11 +272,8 @@ class Endpoint:
         """Send a buffer-like ``obj`` to a peer calling ``recv_obj()``: a size
         header message, then the payload (docs/PROTOCOL.md)."""
         nbytes = memoryview(obj).nbytes if not hasattr(obj, "__cuda_array_interface__") else _cuda_nbytes(obj)
-        header = _OBJ_HEADER.pack(nbytes)
-        hreq = self._ep.send(header, tag, force_tag)
-        preq = self._ep.send(obj, tag, force_tag)
-        await hreq
-        await preq
+        # One C call posts both messages, in order, on the same tag.
+        await self._ep.gather_send((_OBJ_HEADER.pack(nbytes), obj), tag, force_tag)
 
     async def recv_obj(self, tag=None, allocator=bytearray, force_tag=False):
         """Receive an object sent with ``send_obj()``; returns
