@@ -88,6 +88,11 @@ def get_random_ddf(chunk_size, num_chunks, frac_match, chunk_type):
 
 
 def bench_once(client, args):
+    with client.as_current():
+        return _bench_once(client, args)
+
+
+def _bench_once(client, args):
     from distributed import wait
 
     n_workers = len(client.scheduler_info()["workers"])
@@ -346,7 +351,7 @@ def main(argv=None):
                     n_workers=args.n_workers,
                     threads_per_worker=args.threads_per_worker,
                     processes=True,
-                    dashboard_address=None,
+                    dashboard_address=":0",
                     host="127.0.0.1",
                 )
             )

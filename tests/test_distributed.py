@@ -51,9 +51,14 @@ T = pytest.mark.timeout
 def _warm_up_distributed():
     """Threads distributed starts once per process and keeps (the offload
     executor) are started before the per-test leak baselines are taken."""
+    from multiprocessing import resource_tracker
+
     from distributed.utils import _offload_executor
 
     _offload_executor.submit(lambda: None).result()
+    # spawned worker processes start multiprocessing's resource tracker
+    # (a process and a pipe kept until exit)
+    resource_tracker.ensure_running()
     yield
 
 
@@ -830,14 +835,15 @@ async def test_local_cluster_merge_and_shuffle():
         n_workers=2,
         threads_per_worker=1,
         processes=True,
-        dashboard_address=None,
+        dashboard_address=":0",
         asynchronous=True,
     ) as cluster:
         assert cluster.scheduler_address.startswith("ucxx://")
         async with Client(cluster, asynchronous=True) as client:
-            info = client.scheduler_info()
-            assert len(info["workers"]) == 2
-            assert all(w.startswith("ucxx://") for w in info["workers"])
+            await client.wait_for_workers(2)
+            workers = await client.run(os.getpid)
+            assert len(workers) == 2
+            assert all(w.startswith("ucxx://") for w in workers)
             ddl = dd.from_pandas(left, npartitions=6)
             ddr = dd.from_pandas(right, npartitions=4)
             for method in ("tasks", "p2p"):
@@ -845,7 +851,7 @@ async def test_local_cluster_merge_and_shuffle():
                 got = await client.compute(joined)
                 pd.testing.assert_frame_equal(_sorted(got, ["key", "a"]), expected)
                 shuffled = ddl.shuffle("key", shuffle_method=method)
-                parts = await client.compute(shuffled.to_delayed())
+                parts = await client.gather(client.compute(shuffled.to_delayed()))
                 # every key lives in exactly one output partition
                 owners = {}
                 for i, part in enumerate(parts):
@@ -878,7 +884,7 @@ async def test_worker_killed_mid_computation():
         n_workers=2,
         threads_per_worker=1,
         processes=True,
-        dashboard_address=None,
+        dashboard_address=":0",
         asynchronous=True,
     ) as cluster:
         async with Client(cluster, asynchronous=True) as client:
@@ -903,11 +909,19 @@ def _count_fds():
     return len(os.listdir("/proc/self/fd"))
 
 
-def _count_native_threads():
-    return len(os.listdir("/proc/self/task"))
+def _native_threads():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    return sorted(names)
 
 
 @pytest.mark.slow
+@pytest.mark.no_ctx
 @T(240)
 @pytest.mark.asyncio
 async def test_cluster_start_stop_no_leaks():
@@ -922,7 +936,7 @@ async def test_cluster_start_stop_no_leaks():
             n_workers=2,
             threads_per_worker=1,
             processes=False,
-            dashboard_address=None,
+            dashboard_address=":0",
             asynchronous=True,
         ) as cluster:
             async with Client(cluster, asynchronous=True) as client:
@@ -937,20 +951,30 @@ async def test_cluster_start_stop_no_leaks():
     def snapshot():
         me = asyncio.current_task()
         return (
-            threading.active_count(),
-            _count_native_threads(),
+            # the loop's default executor grows on demand (bounded); it is
+            # the test's and shut down below
+            sum(not t.name.startswith("test-default-executor") for t in threading.enumerate()),
+            # threads Python does not know about (UCX's, ...)
+            len(_native_threads()) - threading.active_count(),
             _count_fds(),
             len([t for t in asyncio.all_tasks() if t is not me and not t.done()]),
         )
 
-    await cycle()  # warm-up: thread pools and imports that stay
-    base = snapshot()
-    for _ in range(19):
-        await cycle()
-        assert not ud._resources
-        assert ucxx.core._ctx is None
-    end = snapshot()
-    assert end[0] <= base[0], f"Python threads {base[0]} -> {end[0]}"
-    assert end[1] <= base[1], f"native threads {base[1]} -> {end[1]}"
+    from concurrent.futures import ThreadPoolExecutor
+
+    executor = ThreadPoolExecutor(4, thread_name_prefix="test-default-executor")
+    asyncio.get_running_loop().set_default_executor(executor)
+    try:
+        await cycle()  # warm-up: thread pools and imports that stay
+        base = snapshot()
+        for _ in range(19):
+            await cycle()
+            assert not ud._resources
+            assert ucxx.core._ctx is None
+        end = snapshot()
+    finally:
+        executor.shutdown(wait=True)
+    assert end[0] <= base[0], f"Python threads {base[0]} -> {end[0]}: {threading.enumerate()}"
+    assert end[1] <= base[1], f"non-Python threads {base[1]} -> {end[1]}"
     assert end[2] <= base[2], f"fds {base[2]} -> {end[2]}"
     assert end[3] <= base[3], f"asyncio tasks {base[3]} -> {end[3]}"

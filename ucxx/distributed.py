@@ -673,8 +673,36 @@ class UCXX(Comm):
 def _finish(ep, rid) -> None:
     try:
         ep.abort()
+        _drain(ep)
     finally:
         _release(rid)
+
+
+def _drain(ep) -> None:
+    """Consume the messages of a closed comm that arrived but were never
+    read (the peer's CLOSE when both sides closed at once, ...): nobody will
+    ever receive on this connection's tag again, and UCX would keep them in
+    the worker's unexpected-message queue until the worker is destroyed."""
+    try:
+        worker = ep.worker
+        tag = ep.recv_tag
+        if worker.closed:
+            return
+    except Exception:
+        return
+    buf = bytearray(HEADER_SIZE)
+    for _ in range(64):
+        try:
+            req = worker.tag_recv(buf, tag)
+        except Exception:
+            return
+        if not req.done():
+            req.cancel()
+            return
+        try:
+            req.result()
+        except Exception:  # a longer message, truncated: consumed all the same
+            pass
 
 
 async def _close_gracefully(ep, rid, timeout: float) -> None:
