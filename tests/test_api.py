@@ -91,7 +91,8 @@ def test_get_config_and_version_create_no_context():
 
 
 @pytest.mark.no_ctx
-def test_lazy_context():
+def test_lazy_context(monkeypatch):
+    monkeypatch.delenv("UCXPY_PROGRESS_MODE", raising=False)
     assert ucxx.core._ctx is None
     ctx = ucxx.core._get_ctx()
     assert ucxx.core._ctx is ctx
@@ -154,6 +155,8 @@ def test_progress_mode_from_env(monkeypatch):
 
 @pytest.mark.no_ctx
 def test_spin_us(monkeypatch):
+    monkeypatch.delenv("UCXPY_SPIN_US", raising=False)
+    monkeypatch.delenv("UCXPY_PROGRESS_MODE", raising=False)  # spin: not for thread modes
     ucxx.init(spin_us=0)
     assert ucxx.core._ctx.worker.spin_us == 0
     ucxx.reset()
@@ -167,6 +170,7 @@ def test_spin_us(monkeypatch):
 
 @pytest.mark.no_ctx
 def test_connect_timeout(monkeypatch):
+    monkeypatch.delenv("UCXPY_CONNECT_TIMEOUT", raising=False)
     ucxx.init()
     assert ucxx.core._ctx.connect_timeout == 5.0
     ucxx.reset()

@@ -78,7 +78,7 @@ async def test_endpoint_same_process(transport):
 
 
 @pytest.mark.no_ctx
-@pytest.mark.parametrize("mode", ["blocking", "polling"])
+@pytest.mark.parametrize("mode", ["blocking", "polling", "thread", "thread-polling"])
 async def test_progress_modes(mode):
     ucxx.init(progress_mode=mode)
     assert ucxx.core._ctx.progress_mode == mode
