@@ -15,7 +15,7 @@ import struct
 import weakref
 
 from .. import _ucxx
-from ..exceptions import UCXCanceledError, UCXError, UCXMessageTruncatedError
+from ..exceptions import UCXError, UCXMessageTruncatedError
 from . import multi
 from .utils import callable_bool
 
