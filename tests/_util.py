@@ -391,8 +391,9 @@ class BlockingPollProbe:
             if timeout is None or timeout > 0:
                 self.blocking += 1
                 for i, w in enumerate(self.workers):
-                    if not w.closed and w.loop is loop and w.progress_mode == "blocking" \
-                            and not w.armed:
+                    if w.closed or w.loop is not loop or w.progress_mode != "blocking":
+                        continue
+                    if not w.armed:
                         self.violations.append(
                             f"worker {i} not armed at a blocking poll (timeout={timeout})")
             return self._orig(timeout)

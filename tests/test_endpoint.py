@@ -441,3 +441,40 @@ async def test_two_process_pipelined(tl):
         await s.finish()
     finally:
         s.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tl", ["tcp", "shm"])
+async def test_two_process_truncation_and_cancel(tl):
+    """Across processes: a too-small receive fails with truncation, a
+    cancelled receive takes nothing, and the endpoint carries on."""
+    s = await _peer.connect(tl, "echo")
+    try:
+        w, ep = s.w, s.ep
+
+        async def echo(size, seed, out):
+            r = ep.tag_recv(out, 3)
+            await ep.tag_send(struct.pack("<Q", size), 1)
+            await ep.tag_send(pattern(size, seed), 2)
+            return await asyncio.wait_for(r, 30)
+
+        for size in (100, THRESH + 1, MiB):
+            with pytest.raises(U.UCXMessageTruncatedError):
+                await echo(size, 1, bytearray(10))
+            out = bytearray(size)
+            assert await echo(size, 2, out) == size and out == pattern(size, 2)
+            # a pending receive cancelled before the echo comes
+            stale = bytearray(size)
+            r = ep.tag_recv(stale, 3)
+            assert r.cancel()
+            with pytest.raises(U.UCXCanceledError):
+                await r
+            out = bytearray(size)
+            assert await echo(size, 3, out) == size and out == pattern(size, 3)
+            assert stale == bytearray(size)
+        assert w.npending == 0
+        await ep.tag_send(struct.pack("<Q", _peer.STOP), 1)
+        assert (await s.done())["messages"] == 9
+        await s.finish()
+    finally:
+        s.close()
