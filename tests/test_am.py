@@ -11,6 +11,10 @@ import _peer
 from _util import THRESH, MiB, local, pattern  # noqa: F401
 from ucxx import _ucxx as U
 
+# leak check (conftest): no fd, task or thread outlives a test; no global
+# context is needed, the tests make their own.
+pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
+
 SIZES = [0, 1, 8 * 1024, MiB, 16 * MiB]
 SIZE_IDS = ["0", "1", "8KiB", "1MiB", "16MiB"]
 

@@ -18,6 +18,10 @@ import pytest
 from _util import local  # noqa: F401
 from ucxx import _ucxx as U
 
+# leak check (conftest): no fd, task or thread outlives a test; no global
+# context is needed, the tests make their own.
+pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
+
 
 class FakeDevice:
     """An object exporting only ``__cuda_array_interface__``."""

@@ -16,6 +16,10 @@ from _util import (MiB, THRESH, TurnCounter, as_bytes, drive, local,  # noqa: F4
                    local_tcp, pattern, recv_buffers, send_buffers)
 from ucxx import _ucxx as U
 
+# leak check (conftest): no fd, task or thread outlives a test; no global
+# context is needed, the tests make their own.
+pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
+
 SIZES = [0, 1, THRESH - 1, THRESH + 1, MiB, 64 * MiB]
 SIZE_IDS = ["0", "1", "thresh-1", "thresh+1", "1MiB", "64MiB"]
 UCS_ERR_CANCELED = -16

@@ -15,6 +15,10 @@ import _peer
 from _util import THRESH, MiB, Pair, as_bytes, drive, local, pattern  # noqa: F401
 from ucxx import _ucxx as U
 
+# leak check (conftest): no fd, task or thread outlives a test; no global
+# context is needed, the tests make their own.
+pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
+
 SMALL = [0, 1, THRESH - 1, THRESH + 1]
 UCS_ERR_CANCELED = -16
 

@@ -15,6 +15,10 @@ import pytest
 from _util import THRESH, Local, MiB, options, pattern
 from ucxx import _ucxx as U
 
+# leak check (conftest): no fd, task or thread outlives a test; no global
+# context is needed, the tests make their own.
+pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
+
 UCS_ERR_CANCELED = -16
 
 

@@ -18,6 +18,10 @@ import pytest
 import _peer
 from _util import (THRESH, BlockingPollProbe, Local, Pair, pingpong, stress)
 
+# leak check (conftest): no fd, task or thread outlives a test; no global
+# context is needed, the tests make their own.
+pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
+
 CONFIGS = [
     ("blocking", None),
     ("polling", None),

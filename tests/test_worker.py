@@ -17,6 +17,10 @@ import _peer
 from _util import THRESH, Local, TurnCounter, options, pattern
 from ucxx import _ucxx as U
 
+# leak check (conftest): no fd, task or thread outlives a test; no global
+# context is needed, the tests make their own.
+pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
+
 
 @pytest.fixture
 def ctx():
