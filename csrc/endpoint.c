@@ -32,6 +32,29 @@ ep_err_cb(void *arg, ucp_ep_h uep, ucs_status_t status)
     }
 }
 
+/* ucp_ep_create; an attempt that may fail for want of peer-failure support
+ * runs with UCX logging at "fatal", so the fallback prints nothing. */
+static ucs_status_t
+ep_create_quiet(WorkerObject *w, ucp_ep_params_t *params, ucp_ep_h *ep,
+                int quiet)
+{
+    char level[32];
+    ucs_status_t status;
+
+    if (!quiet || w->peer_errors_ok ||
+        ucs_global_opts_get_value("LOG_LEVEL", level, sizeof(level)) !=
+            UCS_OK) {
+        return ucp_ep_create(w->handle, params, ep);
+    }
+    ucs_global_opts_set_value("LOG_LEVEL", "fatal");
+    status = ucp_ep_create(w->handle, params, ep);
+    ucs_global_opts_set_value("LOG_LEVEL", level);
+    if (status == UCS_OK) {
+        w->peer_errors_ok = 1;
+    }
+    return status;
+}
+
 EndpointObject *
 ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
                   int error_handling)
@@ -65,13 +88,21 @@ ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
     params->err_handler.arg = ep;
     params->user_data = ep;
     ucxx_lock(w);
-    status = ucp_ep_create(w->handle, params, &ep->handle);
-    if (status == UCS_ERR_UNREACHABLE && error_handling) {
+    if (error_handling && w->no_peer_errors) {
+        params->err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        ep->error_handling = 0;
+    }
+    status = ep_create_quiet(w, params, &ep->handle, ep->error_handling);
+    if (status == UCS_ERR_UNREACHABLE && ep->error_handling) {
         /* Transports without peer failure support (shared memory alone):
-         * connect without error handling rather than not at all. */
+         * connect without error handling rather than not at all, and do
+         * not ask again on this worker. */
         params->err_mode = UCP_ERR_HANDLING_MODE_NONE;
         ep->error_handling = 0;
         status = ucp_ep_create(w->handle, params, &ep->handle);
+        if (status == UCS_OK) {
+            w->no_peer_errors = 1;
+        }
     }
     ucxx_worker_touched(w);
     ucxx_unlock(w);

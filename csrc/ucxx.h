@@ -23,6 +23,7 @@
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wsign-compare"
 #include <ucp/api/ucp.h>
+#include <ucs/config/global_opts.h>
 #pragma GCC diagnostic pop
 
 #define UCXX_TAG_MASK_FULL ((ucp_tag_t)-1)
@@ -172,6 +173,8 @@ struct WorkerObject {
     int rearm_scheduled;         /* a rearm callback is in loop's ready queue */
     int dispatching;             /* re-entrancy guard for dispatch */
     int ndispatched;             /* requests dispatched since _on_efd reset */
+    int peer_errors_ok;          /* an endpoint with error handling worked */
+    int no_peer_errors;          /* transports cannot detect peer failure */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *loop;              /* strong: attached event loop or NULL */
