@@ -52,6 +52,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU")
 
 
+if os.environ.get("UCXX_TEST_EVENT_LOOP", "asyncio") == "uvloop":
+
+    def pytest_asyncio_loop_factories(config, item):
+        """``UCXX_TEST_EVENT_LOOP=uvloop``: every asyncio test runs under
+        uvloop (CI's second pass)."""
+        import uvloop
+
+        return {"uvloop": uvloop.new_event_loop}
+
+
+def pytest_report_header(config):
+    return f"event loop: {os.environ.get('UCXX_TEST_EVENT_LOOP', 'asyncio')}"
+
+
 def pytest_collection_modifyitems(config, items):
     # Every test gets a timeout, even when run without the project's config.
     for item in items:
