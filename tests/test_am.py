@@ -193,3 +193,42 @@ async def test_am_two_processes(tl):
         await s.finish()
     finally:
         s.close()
+
+
+@pytest.mark.timeout(30)
+async def test_dropped_am_recv_does_not_swallow_a_message(local):
+    import gc
+
+    ep = local.ep
+    ep.am_recv()  # the Request is dropped while waiting
+    gc.collect()
+    await ep.am_send(b"kept")
+    await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(ep.am_recv(), 10) == b"kept"
+
+
+@pytest.mark.timeout(30)
+async def test_cancelled_am_recv_task_does_not_swallow_a_message(local):
+    ep = local.ep
+    r = ep.am_recv()
+
+    async def waiter():
+        return await r
+
+    t = asyncio.ensure_future(waiter())
+    await asyncio.sleep(0)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert r.done()
+    with pytest.raises(U.UCXCanceledError):
+        r.result()
+    await ep.am_send(b"next")
+    assert await asyncio.wait_for(ep.am_recv(), 10) == b"next"
+    # cancel() on a waiting am_recv too
+    r = ep.am_recv()
+    assert r.cancel() is True
+    with pytest.raises(U.UCXCanceledError):
+        await r
+    await ep.am_send(b"again")
+    assert await asyncio.wait_for(ep.am_recv(), 10) == b"again"

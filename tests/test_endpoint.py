@@ -194,12 +194,19 @@ async def test_immediate_completion_does_not_yield(mode):
 
 # ------------------------------------------------------------------ truncation
 @pytest.mark.timeout(30)
+@pytest.mark.parametrize("order", ["recv-first", "send-first"])
 @pytest.mark.parametrize("size", [100, THRESH + 1, MiB], ids=["eager", "rndv", "1MiB"])
-async def test_truncation(local, size):
+async def test_truncation(local, size, order):
     w, ep = local.w, local.ep
     small = bytearray(10)
-    r = w.tag_recv(small, 40)
-    s = ep.tag_send(pattern(size), 40)
+    if order == "recv-first":
+        r = w.tag_recv(small, 40)
+        s = ep.tag_send(pattern(size), 40)
+    else:
+        s = ep.tag_send(pattern(size), 40)
+        for _ in range(50):  # let the message (or its announcement) arrive
+            w.progress()
+        r = w.tag_recv(small, 40)
     with pytest.raises(U.UCXMessageTruncatedError):
         await asyncio.wait_for(r, 10)
     try:
@@ -482,3 +489,38 @@ async def test_two_process_truncation_and_cancel(tl):
         await s.finish()
     finally:
         s.close()
+
+
+# ------------------------------------------------------------------ stream API
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("size", [1, 1000, THRESH + 1, MiB], ids=["1", "1000", "thresh+1", "1MiB"])
+async def test_stream_send_recv(local_tcp, size):
+    """stream_recv waits for exactly len(buf) bytes, however they arrive."""
+    ep = local_tcp.ep
+    data = pattern(size, 8)
+    out = bytearray(size)
+    r = ep.stream_recv(out)
+    half = size // 2
+    await ep.stream_send(data[:half])
+    await ep.stream_send(data[half:])
+    assert await asyncio.wait_for(r, 10) == size
+    assert out == data
+
+
+@pytest.mark.timeout(30)
+async def test_request_result_and_repr(local_tcp):
+    w, ep = local_tcp.w, local_tcp.ep
+    out = bytearray(3)
+    r = w.tag_recv(out, 70)
+    assert "pending" in repr(r)
+    await asyncio.gather(ep.tag_send(b"abc", 70), r)
+    assert r.result() == 3 and r.result() == 3
+    assert await r == 3  # awaiting again returns the same result
+    assert "pending" not in repr(r)
+    r = w.tag_recv(bytearray(1), 71)
+    r.cancel()
+    for _ in range(2):
+        with pytest.raises(U.UCXCanceledError):
+            r.result()
+    with pytest.raises(U.UCXCanceledError):
+        await r

@@ -188,16 +188,42 @@ async def test_concurrent_gathers_different_endpoints(pair):
 
 
 # ------------------------------------------------------------------ mismatch
+LEFTOVER_FRAME = pytest.mark.xfail(
+    strict=True, raises=U.UCXMessageTruncatedError,
+    reason="gather.c stops posting at the first receive that fails immediately "
+           "(frame already arrived, too small): the later frames stay queued on the "
+           "tag and the next plain recv gets one of them")
+
+
+def mismatch_cases():
+    for name, sizes in (("smaller", [10, 15, 30]), ("larger", [10, 25, 30]),
+                        ("fewer-then-extra", [10, 20]),
+                        ("rndv-smaller", [10, THRESH + 1, 30]),
+                        ("rndv-larger", [10, 3 * THRESH, 30])):
+        for recv_first in (True, False):
+            marks = LEFTOVER_FRAME if name.endswith("smaller") and not recv_first else ()
+            yield pytest.param(sizes, recv_first, marks=marks,
+                               id=f"{name}-{'recv' if recv_first else 'send'}-first")
+
+
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("recv_sizes", [[10, 15, 30], [10, 25, 30], [10, 20]],
-                         ids=["smaller", "larger", "fewer-then-extra"])
-async def test_size_mismatch_poisons_endpoint(pair, recv_sizes):
+@pytest.mark.parametrize("recv_sizes,recv_first", list(mismatch_cases()))
+async def test_size_mismatch_poisons_endpoint(request, pair, recv_sizes, recv_first):
+    name = request.node.callspec.id
     ab, ba = pair.ab, pair.ba
-    frames = [pattern(10), pattern(20), pattern(30)]
+    frames = [pattern(10), pattern(2 * THRESH if "rndv" in name else 20), pattern(30)]
     outs = [bytearray(n) for n in recv_sizes]
     rcs = [sys.getrefcount(o) for o in outs]
-    r = ba.gather_recv(outs)
-    s = ab.gather_send(frames)
+    if recv_first:
+        r = ba.gather_recv(outs)
+        s = ab.gather_send(frames)
+    else:
+        # the frames are already there: the receives complete as posted
+        s = ab.gather_send(frames)
+        for _ in range(50):
+            pair.a.progress()
+            pair.b.progress()
+        r = ba.gather_recv(outs)
     if len(recv_sizes) == len(frames):
         with pytest.raises(U.UCXMessageTruncatedError):
             await asyncio.wait_for(r, 10)

@@ -554,3 +554,117 @@ def test_worker_stop_and_restart_on_another_loop():
         ep.abort()
         w.close()
         ctx.close()
+
+
+# ------------------------------------------------------------------ buffers held while pending
+@pytest.mark.timeout(30)
+async def test_pending_recv_holds_the_buffer_export(loc):
+    """While a receive is pending its buffer stays exported: a bytearray
+    cannot be resized, a memoryview cannot be released."""
+    w, ep = loc.w, loc.ep
+    ba = bytearray(THRESH + 1)
+    r = w.tag_recv(ba, 20)
+    with pytest.raises(BufferError):
+        ba.extend(b"more")
+    mv = memoryview(bytearray(100))
+    r2 = ep.tag_recv(mv, 21)
+    with pytest.raises(BufferError):
+        mv.release()
+    await ep.tag_send(pattern(THRESH + 1), 20)
+    await ep.tag_send(pattern(100), 21)
+    await asyncio.wait_for(asyncio.gather(r, r2), 10)
+    ba.extend(b"more")  # released on completion
+    assert bytes(mv) == pattern(100)
+    mv.release()
+
+
+@pytest.mark.timeout(30)
+async def test_pending_send_holds_the_buffer_export(loc):
+    w, ep = loc.w, loc.ep
+    src = bytearray(pattern(2 * MiB))
+    s = ep.tag_send(src, 22)  # rendezvous: pending until received
+    assert not s.done()
+    with pytest.raises(BufferError):
+        src.clear()
+    out = bytearray(2 * MiB)
+    await asyncio.wait_for(asyncio.gather(s, w.tag_recv(out, 22)), 10)
+    assert out == pattern(2 * MiB)
+    src.clear()
+
+
+@pytest.mark.timeout(30)
+async def test_cancelled_task_awaiting_a_send(loc):
+    """Cancelling the task that awaits a send does not recall the send: it
+    still delivers, and its buffer is released once UCX is done."""
+    w, ep = loc.w, loc.ep
+    src = bytearray(pattern(2 * MiB, 4))
+    rc0 = sys.getrefcount(src)
+    s = ep.tag_send(src, 23)
+
+    async def waiter():
+        await s
+
+    t = asyncio.ensure_future(waiter())
+    await asyncio.sleep(0)
+    t.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await t
+    assert not s.done()
+    out = bytearray(2 * MiB)
+    assert await asyncio.wait_for(w.tag_recv(out, 23), 10) == 2 * MiB
+    assert out == src
+    for _ in range(100):
+        if s.done():
+            break
+        await asyncio.sleep(0.001)
+    assert s.done() and s.status == 0
+    assert sys.getrefcount(src) == rc0
+
+
+@pytest.mark.timeout(60)
+async def test_close_worker_with_many_pending_requests():
+    ctx = U.Context(options("tcp"))
+    w = U.Worker(ctx)
+    w.start(asyncio.get_running_loop())
+    ep = w.ep_from_address(w.address)
+    try:
+        bufs = [bytearray(16) for _ in range(5000)]
+        rcs = [sys.getrefcount(b) for b in bufs]
+        reqs = [(w.tag_recv if i % 2 else ep.tag_recv)(b, 1000 + i) for i, b in enumerate(bufs)]
+        sends = [ep.tag_send(pattern(MiB, i), 9000 + i) for i in range(20)]  # rendezvous
+        assert w.npending == 5020
+        w.close()
+        assert w.npending == 0
+        for r in reqs:
+            assert r.done() and r.status == UCS_ERR_CANCELED
+        for s in sends:
+            assert s.done()
+            with pytest.raises(U.UCXError):
+                s.result()
+        del reqs, sends
+        gc.collect()
+        assert [sys.getrefcount(b) for b in bufs] == rcs
+    finally:
+        ep.abort()
+        w.close()
+        ctx.close()
+
+
+@pytest.mark.timeout(30)
+async def test_close_endpoint_with_pending_receives(loc):
+    w, ep = loc.w, loc.ep
+    ep2 = w.ep_from_address(w.address)
+    try:
+        r1 = ep2.tag_recv(bytearray(10), 30)
+        r2 = ep2.gather_recv([bytearray(10), bytearray(THRESH + 1)], 31, force_tag=True)
+        r3 = ep2.recv(bytearray(10))
+        other = w.tag_recv(bytearray(10), 32)  # not tracked by ep2
+        await ep2.close()
+        for r in (r1, r2, r3):
+            with pytest.raises(U.UCXCanceledError):
+                await asyncio.wait_for(r, 5)
+        assert not other.done()
+        await ep.tag_send(b"0123456789", 32)
+        assert await asyncio.wait_for(other, 5) == 10
+    finally:
+        ep2.abort()
