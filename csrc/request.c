@@ -577,6 +577,10 @@ Request_throw(RequestObject *r, PyObject *const *args, Py_ssize_t nargs)
     return NULL;
 }
 
+PyDoc_STRVAR(Request_close_doc,
+"close($self, /)\n--\n\nCoroutine protocol: nothing to release (the\n"
+"transfer itself continues; use cancel() to stop a receive).");
+
 static PyObject *
 Request_close(RequestObject *r, PyObject *unused)
 {
@@ -696,7 +700,7 @@ static PyMethodDef Request_methods[] = {
     {"send", (PyCFunction)Request_send, METH_O, Request_send_doc},
     {"throw", (PyCFunction)(void (*)(void))Request_throw, METH_FASTCALL,
      Request_throw_doc},
-    {"close", (PyCFunction)Request_close, METH_NOARGS, NULL},
+    {"close", (PyCFunction)Request_close, METH_NOARGS, Request_close_doc},
     {"done", (PyCFunction)Request_done, METH_NOARGS, Request_done_doc},
     {"result", (PyCFunction)Request_result, METH_NOARGS, Request_result_doc},
     {"cancel", (PyCFunction)Request_cancel, METH_NOARGS, Request_cancel_doc},

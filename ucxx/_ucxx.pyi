@@ -73,6 +73,8 @@ class Context:
     def closed(self) -> bool: ...
     @property
     def handle(self) -> int: ...
+    @property
+    def features(self) -> int: ...
     def info(self) -> str:
         """``ucp_context_print_info`` as a string."""
     def close(self) -> None:
@@ -87,6 +89,11 @@ class Request:
     pending, it holds the buffers it was given."""
 
     def __await__(self) -> Any: ...
+    def send(self, value: None) -> Any:
+        """Coroutine protocol (the Request is its own iterator)."""
+    def throw(self, typ: Any, val: Any = ..., tb: Any = ...) -> Any:
+        """Coroutine protocol: a cancelled await cancels a pending receive."""
+    def close(self) -> None: ...
     def done(self) -> bool: ...
     def result(self) -> Any:
         """Result or raise; InvalidStateError-like UCXError if not done."""
@@ -102,9 +109,11 @@ class Worker:
     """``Worker(context, progress_mode="blocking", spin_us=None)``:
     ``ucp_worker_create`` (thread mode SINGLE).
 
-    ``progress_mode`` is ``"blocking"`` or ``"polling"``. ``spin_us`` is the
-    budget in microseconds an await spends progressing the worker before it
-    suspends (None: the mode's default; 0: never spin)."""
+    ``progress_mode`` is ``"blocking"``, ``"polling"``, ``"thread"`` or
+    ``"thread-polling"`` (a C progress thread; see docs/ENGINE.md).
+    ``spin_us`` is the budget in microseconds an await spends progressing
+    the worker before it suspends (None: the mode's default, 0 blocking,
+    100 polling; 0: never spin; thread modes never spin)."""
 
     def __init__(
         self,
@@ -124,6 +133,18 @@ class Worker:
     def closed(self) -> bool: ...
     @property
     def handle(self) -> int: ...
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the worker is attached to."""
+    @property
+    def task(self) -> asyncio.Task[None] | None:
+        """The progress Task on that loop."""
+    @property
+    def armed(self) -> bool:
+        """ucp_worker_arm succeeded and no UCX call happened since."""
+    @property
+    def npending(self) -> int:
+        """Requests UCX still holds."""
     def progress(self) -> int:
         """One ``ucp_worker_progress`` (GIL released), then delivers the
         completions it produced. Returns the UCX count."""
@@ -181,6 +202,15 @@ class Endpoint:
     def handle(self) -> int: ...
     @property
     def uid(self) -> int: ...
+    @property
+    def error_handling(self) -> bool:
+        """Peer error handling in effect (False after the shared-memory
+        fallback, see docs/ENGINE.md)."""
+    @property
+    def peer_closed(self) -> bool: ...
+    @property
+    def error(self) -> UCXError | None:
+        """The peer's error as an exception instance, or None."""
     def send(self, buf: Buffer, tag: int | None = None, force_tag: bool = False) -> Request:
         """Tagged send. tag None: ``send_tag``; else ``tag`` mixed with
         ``send_tag`` unless ``force_tag``."""
@@ -208,6 +238,9 @@ class Endpoint:
         UCXCanceledError. Idempotent."""
     def abort(self) -> None:
         """Immediate (force) close. Idempotent."""
+    def _close_by_peer(self) -> None:
+        """The peer announced its close: abort; later receives still match
+        messages that had already arrived."""
 
 class Listener:
     worker: Worker
@@ -221,3 +254,9 @@ class Listener:
 
 class ProgressCoroutine(Coroutine[Any, Any, None]):
     """The C coroutine driving a Worker on one loop (see Worker.start)."""
+
+    @property
+    def worker(self) -> Worker: ...
+    def send(self, value: None) -> Any: ...
+    def throw(self, typ: Any, val: Any = ..., tb: Any = ...) -> Any: ...
+    def close(self) -> None: ...
