@@ -24,7 +24,6 @@ import pytest
 pytest.importorskip("distributed")
 pytest.importorskip("pytest_asyncio")
 
-import dask  # noqa: E402
 from distributed.comm import (  # noqa: E402
     CommClosedError,
     connect,

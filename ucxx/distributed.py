@@ -319,60 +319,41 @@ _device_sync: Callable[[], None] | None = None
 
 
 def _find_device_support() -> tuple[Callable[[int], Any], Callable[[], None]]:
-    """(allocator, default-stream synchronise) from rmm, cupy or numba."""
+    """(allocator, default-stream synchronise): allocation from rmm, else
+    cupy, else numba; synchronisation from cupy, else numba."""
     global _device_alloc, _device_sync
     if _device_alloc is not None:
         return _device_alloc, _device_sync
-    alloc = sync = None
+    allocs: list[Callable[[int], Any]] = []
+    syncs: list[Callable[[], None]] = []
     try:
         import rmm
-
-        def alloc(n):
-            return rmm.DeviceBuffer(size=n)
-
     except ImportError:
         pass
+    else:
+        allocs.append(lambda n: rmm.DeviceBuffer(size=n))
     try:
         import cupy
-
-        if alloc is None:
-
-            def alloc(n):
-                return cupy.empty((n,), dtype="u1")
-
-        def sync():
-            cupy.cuda.runtime.deviceSynchronize()
-
     except ImportError:
         pass
-    if sync is None or alloc is None:
-        try:
-            import numba.cuda
-
-            if alloc is None:
-
-                def alloc(n):
-                    return numba.cuda.device_array((n,), dtype="u1")
-
-            if sync is None:
-
-                def sync():
-                    numba.cuda.default_stream().synchronize()
-
-        except ImportError:
-            pass
-    if alloc is None:
+    else:
+        allocs.append(lambda n: cupy.empty((n,), dtype="u1"))
+        syncs.append(lambda: cupy.cuda.runtime.deviceSynchronize())
+    try:
+        import numba.cuda
+    except ImportError:
+        pass
+    else:
+        allocs.append(lambda n: numba.cuda.device_array((n,), dtype="u1"))
+        syncs.append(lambda: numba.cuda.default_stream().synchronize())
+    if not allocs:
         raise RuntimeError(
             "ucxx comm: the peer sent a CUDA device frame, but no device "
             "allocator is importable in this process (install rmm, cupy or numba)"
         )
-    if sync is None:
-
-        def sync():
-            pass
-
-    _device_alloc, _device_sync = alloc, sync
-    return alloc, sync
+    _device_alloc = allocs[0]
+    _device_sync = syncs[0] if syncs else (lambda: None)
+    return _device_alloc, _device_sync
 
 
 def _is_device(frame) -> bool:
@@ -391,6 +372,8 @@ def _synchronize_device() -> None:
 # The comm
 # --------------------------------------------------------------------------
 
+# Serializer families tried, in order, when write() is given none: "cuda"
+# first, so that device objects travel as device frames.
 _SERIALIZERS = ("cuda", "dask", "pickle", "error")
 
 
@@ -473,9 +456,10 @@ class UCXX(Comm):
                 **self.handshake_options,
             },
         )
-        return await self._send_frames(frames)
+        return self._send_frames(frames)
 
-    async def _send_frames(self, frames: list, flags: int = 0) -> int:
+    def _send_frames(self, frames: list, flags: int = 0) -> int:
+        """Post header (+ table) and frames with one gather_send."""
         ep = self._ep
         if ep is None:
             raise CommClosedError(f"{self!r}: the comm is closed")
@@ -539,7 +523,7 @@ class UCXX(Comm):
             return await from_frames(
                 frames,
                 deserialize=self.deserialize,
-                deserializers=deserializers if deserializers is not None else _SERIALIZERS,
+                deserializers=deserializers,
                 allow_offload=self.allow_offload,
             )
         except EOFError:
@@ -748,17 +732,16 @@ async def _await_all(reqs) -> None:
 
 
 def _recv(ep, bufs: list, gather: bool):
-    """Receive ``bufs`` in order on the comm's tag. On an open endpoint this
-    is one ``recv`` / ``gather_recv``. On an endpoint that is already closed
-    (the peer closed the connection: ucxx then closes our side too) the
-    messages that had arrived before the close are still delivered, from the
-    worker's queue of unexpected messages."""
-    if not ep.closed:
-        try:
-            return ep.gather_recv(bufs) if gather else ep.recv(bufs[0])
-        except _UCXError:
-            if not ep.closed:
-                raise
+    """Receive ``bufs`` in order on the comm's tag: one ``recv`` /
+    ``gather_recv``. Should the endpoint refuse because it is closed (the
+    peer closed the connection, which closes our side too), the messages
+    that had arrived before the close are still delivered, from the worker's
+    queue of unexpected messages."""
+    try:
+        return ep.gather_recv(bufs) if gather else ep.recv(bufs[0])
+    except _UCXError:
+        if not ep.closed:
+            raise
     return _recv_arrived(ep, bufs)
 
 
@@ -827,7 +810,7 @@ class UCXXConnector(Connector):
         local = self.prefix + unparse_host_port(_local_address_for(ensure_ip(ip)), _endpoint_port(ep))
         comm = self.comm_class(ep, local, self.prefix + address, deserialize, rid, True)
         # HELLO: our address, so that the listener side knows its peer.
-        await comm._send_frames([local.encode()], FLAG_HELLO)
+        comm._send_frames([local.encode()], FLAG_HELLO)
         return comm
 
 
