@@ -668,3 +668,44 @@ async def test_close_endpoint_with_pending_receives(loc):
         assert await asyncio.wait_for(other, 5) == 10
     finally:
         ep2.abort()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("tl", ["tcp", "shm_eh"])
+@pytest.mark.parametrize("how", [
+    pytest.param("close", marks=pytest.mark.xfail(
+        strict=True, raises=TimeoutError,
+        reason="after a graceful Endpoint.close() completes, a rendezvous send "
+               "posted on it stays pending (and the peer can still fetch the data "
+               "later); only abort() fails it")),
+    "abort",
+])
+async def test_pending_send_settles_when_endpoint_closes(tl, how):
+    """DESIGN: pending operations fail with UCXCanceledError when either
+    side closes. A rendezvous send nobody receives must not outlive the
+    endpoint's close."""
+    from _util import Pair
+
+    p = Pair(tl)
+    loop = asyncio.get_running_loop()
+    p.a.start(loop)
+    p.b.start(loop)
+    try:
+        src = bytearray(pattern(4 * MiB))
+        rc0 = sys.getrefcount(src)
+        s = p.ab.tag_send(src, 5)
+        for _ in range(20):
+            await asyncio.sleep(0.001)
+        assert not s.done()
+        if how == "close":
+            await asyncio.wait_for(p.ab.close(), 5)
+        else:
+            p.ab.abort()
+        try:
+            await asyncio.wait_for(s, 3)
+        except U.UCXError:
+            pass
+        assert s.done()
+        assert sys.getrefcount(src) == rc0
+    finally:
+        p.close()
