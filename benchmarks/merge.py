@@ -186,7 +186,7 @@ def pair_bandwidths(logs, windows, ignore_size, address_to_index):
         for e in entries:
             if e["total"] < ignore_size:
                 continue
-            if not any(w0 - 0.5 <= e["start"] <= w1 + 0.5 for w0, w1 in windows):
+            if not any(w0 - 0.05 <= e["start"] <= w1 for w0, w1 in windows):
                 continue
             key = (address_to_index.get(e["who"], -1), address_to_index[dest])
             data[key].append(e["bandwidth"])
@@ -213,8 +213,9 @@ def print_report(args, protocol, results, pairs, sched_bw, address_to_index, tra
     print_key_value("Broadcast", broadcast)
     print_key_value("Protocol", protocol)
     if protocol == "ucxx":
-        print_key_value("UCX transports", transports or "(UCX default)")
+        print_key_value("UCX transports (ctx)", transports or "(UCX default)")
         print_key_value("Progress mode", args.progress_mode)
+        print_key_value("Error handling", args.error_handling)
     print_key_value("Frac-match", args.frac_match)
     print_key_value("Worker thread(s)", args.threads_per_worker)
     print_key_value("Data processed", format_bytes(results[0][0]))
@@ -316,6 +317,12 @@ def parse_args(argv=None):
     p.add_argument("--ignore-size", default="1 MiB", help="ignore transfers smaller than this in the bandwidth table (default 1 MiB)")
     p.add_argument("--progress-mode", default="blocking", choices=["blocking", "polling", "thread", "thread-polling"], help="ucxx progress mode (default blocking)")
     p.add_argument("--ucx-tls", default=None, help="UCX transports for ucxx (UCX_TLS), default: UCX's choice")
+    p.add_argument(
+        "--no-error-handling",
+        dest="error_handling",
+        action="store_false",
+        help="ucxx endpoints without peer-failure handling (lets UCX use shared memory and CMA between local processes)",
+    )
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the row-count check")
     p.add_argument("--markdown", action="store_true", help="wrap the report in markdown code blocks")
     args = p.parse_args(argv)
@@ -340,6 +347,8 @@ def main(argv=None):
     }
     if args.ucx_tls:
         config["distributed.comm.ucxx.tls"] = args.ucx_tls
+    if not args.error_handling:
+        config["distributed.comm.ucxx.error-handling"] = False
     dask.config.set(config)
 
     clusters = {}

@@ -91,6 +91,11 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "connect-timeout": None,
     # Any other UCX option, {"rndv-thresh": "8K"} -> UCX_RNDV_THRESH=8K.
     "environment": {},
+    # UCX peer-failure handling on endpoints. With it UCX only uses
+    # transports that can report a dead peer (between processes of one
+    # host: TCP, not shared memory); without it shared memory and CMA are
+    # used, but a dead peer may go unnoticed by UCX.
+    "error-handling": True,
     # Upper bound on the frame count of one received message (sanity check
     # of the header; a bigger count aborts the comm).
     "max-frames": 1 << 24,
@@ -800,7 +805,9 @@ class UCXXConnector(Connector):
         init_once()
         rid = _acquire()
         try:
-            ep = await ucxx.create_endpoint(ip, port)
+            ep = await ucxx.create_endpoint(
+                ip, port, endpoint_error_handling=bool(_config("error-handling"))
+            )
         except _UCXError as e:
             _release(rid)
             raise CommClosedError(f"ucxx: cannot connect to {self.prefix + address}: {e!r}") from e
@@ -867,7 +874,10 @@ class UCXXListener(BaseListener):
         self._resource_id = _acquire()
         try:
             self._listener = ucxx.create_listener(
-                self._on_accept, port=self._input_port or None, host=self.ip
+                self._on_accept,
+                port=self._input_port or None,
+                host=self.ip,
+                endpoint_error_handling=bool(_config("error-handling")),
             )
         except _UCXError as e:
             _release(self._resource_id)
