@@ -220,8 +220,14 @@ ucxx_am_deliver(EndpointObject *ep)
         } else if (obj != NULL) {
             if (ucxx_buf_get(ucxx_state_of((PyObject *)ep), obj, 1, &b) < 0) {
                 Py_CLEAR(obj);
+            } else if (b.len < m->length) {
+                ucxx_buf_release(&b);
+                Py_CLEAR(obj);
+                ucxx_raise(ucxx_state_of((PyObject *)ep), UCXX_EXC_TRUNCATED,
+                           "the AM allocator returned %zu bytes for a "
+                           "%zu-byte message", b.len, m->length);
             } else {
-                memcpy(b.ptr, m->data, m->length < b.len ? m->length : b.len);
+                memcpy(b.ptr, m->data, m->length);
                 ucxx_buf_release(&b);
             }
         }

@@ -201,7 +201,18 @@ ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b)
             int has = PyObject_HasAttrString(obj, "__cuda_array_interface__");
 
             if (!has) {
-                PyErr_SetRaisedException_compat(exc);
+                /* Exporters disagree on the class (numpy: ValueError for
+                 * read-only or strided arrays): one BufferError for all. */
+                if (!PyErr_GivenExceptionMatches(exc, PyExc_BufferError)) {
+                    PyErr_Format(PyExc_BufferError, "%s buffer required: %S",
+                                 writable ? "a writable C-contiguous"
+                                          : "a C-contiguous", exc);
+                    PyObject *cause = PyErr_GetRaisedException_compat();
+                    PyException_SetCause(cause, exc);
+                    PyErr_SetRaisedException_compat(cause);
+                } else {
+                    PyErr_SetRaisedException_compat(exc);
+                }
                 return -1;
             }
             Py_DECREF(exc);

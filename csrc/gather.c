@@ -85,12 +85,17 @@ ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag, int recv)
             sp = ucp_tag_send_nbx(ep->handle, r->bufs[i].ptr, r->bufs[i].len,
                                   tag, &param);
         }
-        if (ucxx_request_track(r, &r->ops[i], sp) < 0) {
+        if (ucxx_request_track(r, &r->ops[i], sp) < 0 &&
+            !(recv && UCS_PTR_STATUS(sp) == UCS_ERR_MESSAGE_TRUNCATED)) {
             break; /* first error wins; nothing more is posted */
         }
     }
     ucxx_worker_touched(w);
-    if (r->first_error != UCS_OK && recv) {
+    /* A frame that did not fit was consumed all the same: the receives of
+     * the frames behind it stay posted so the stream stays in step. Any
+     * other error stops the gather. */
+    if (recv && r->first_error != UCS_OK &&
+        r->first_error != UCS_ERR_MESSAGE_TRUNCATED) {
         ucxx_request_cancel_ucx(r, r->first_error);
     }
     if (recv && (ep->error != UCS_OK || ep->peer_closed) && r->npending) {

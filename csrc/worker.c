@@ -520,6 +520,22 @@ set_spin(WorkerObject *w, PyObject *v)
     return 0;
 }
 
+static void worker_close_now(WorkerObject *w);
+
+/* Undo a half-built worker (error set): it was never handed out, so it
+ * closes without a ResourceWarning, and the self-cycle of rearm_cb goes. */
+static PyObject *
+worker_new_failed(WorkerObject *w)
+{
+    PyObject *exc = PyErr_GetRaisedException_compat();
+
+    worker_close_now(w);
+    Py_CLEAR(w->rearm_cb);
+    Py_DECREF(w);
+    PyErr_SetRaisedException_compat(exc);
+    return NULL;
+}
+
 static PyObject *
 Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
@@ -563,42 +579,42 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     ucxx_list_init(&w->errored);
     ucxx_list_init(&w->conn_ready);
     ucxx_list_init(&w->am_ready);
-    if (set_spin(w, spin) < 0) {
-        Py_DECREF(w);
-        return NULL;
-    }
     w->context = (ContextObject *)Py_NewRef(ctx);
+    if (set_spin(w, spin) < 0) {
+        return worker_new_failed(w);
+    }
     w->rearm_cb = PyObject_GetAttrString((PyObject *)w, "_rearm");
     w->am_allocators = PyDict_New();
     if (w->rearm_cb == NULL || w->am_allocators == NULL) {
-        Py_DECREF(w);
-        return NULL;
+        return worker_new_failed(w);
+    }
+    if (!(w->context->features & UCP_FEATURE_WAKEUP) &&
+        (mode == UCXX_MODE_BLOCKING || mode == UCXX_MODE_THREAD)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "a progress mode that sleeps needs FEATURE_WAKEUP");
+        return worker_new_failed(w);
     }
     params.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE;
-    params.thread_mode = UCS_THREAD_MODE_SINGLE;
+    /* Thread modes serialise every UCX call with the worker's lock. */
+    params.thread_mode = UCXX_THREADED(w) ? UCS_THREAD_MODE_SERIALIZED
+                                          : UCS_THREAD_MODE_SINGLE;
     status = ucp_worker_create(w->context->handle, &params, &w->handle);
     if (status != UCS_OK) {
         w->handle = NULL;
-        Py_DECREF(w);
-        return ucxx_raise_status(st, status, "ucp_worker_create");
+        ucxx_raise_status(st, status, "ucp_worker_create");
+        return worker_new_failed(w);
     }
     w->context->nworkers++;
     w->fork_gen = ucxx_fork_generation;
     if (w->context->features & UCP_FEATURE_WAKEUP) {
         status = ucp_worker_get_efd(w->handle, &w->efd);
         if (status != UCS_OK) {
-            Py_DECREF(w);
-            return ucxx_raise_status(st, status, "ucp_worker_get_efd");
+            ucxx_raise_status(st, status, "ucp_worker_get_efd");
+            return worker_new_failed(w);
         }
-    } else if (mode == UCXX_MODE_BLOCKING || mode == UCXX_MODE_THREAD) {
-        Py_DECREF(w);
-        PyErr_SetString(PyExc_ValueError,
-                        "a progress mode that sleeps needs FEATURE_WAKEUP");
-        return NULL;
     }
     if ((w->context->features & UCP_FEATURE_AM) && ucxx_am_setup(w) < 0) {
-        Py_DECREF(w);
-        return NULL;
+        return worker_new_failed(w);
     }
     return (PyObject *)w;
 }

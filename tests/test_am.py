@@ -119,9 +119,7 @@ async def test_am_allocator_errors_surface(local):
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("size", [
-    pytest.param(100, id="eager", marks=pytest.mark.xfail(
-        strict=True, reason="am.c copies min(length, len(buffer)) for eager messages: "
-                            "silently truncated data, no error")),
+    pytest.param(100, id="eager"),
     pytest.param(THRESH + 1, id="rndv"),
 ])
 async def test_am_allocator_too_small_is_an_error(local, size):

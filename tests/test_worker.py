@@ -81,9 +81,6 @@ def test_bad_constructor_arguments(ctx):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.xfail(strict=True, raises=U.UCXError,
-                   reason="Worker_new: a worker refused after ucp_worker_create stays "
-                          "counted on its context (reference cycle via _rearm) until GC")
 def test_blocking_needs_wakeup():
     ctx = U.Context(options("tcp"), features=U.FEATURE_TAG)
     try:
