@@ -161,9 +161,15 @@ run_close_callback(EndpointObject *ep)
     Py_DECREF(cb);
 }
 
-/* Post ucp_ep_close_nbx; returns the close Request (already done if UCX
- * completed at once).  Close errors are not reported: the endpoint is gone
- * either way. */
+/*
+ * Close the UCX endpoint; returns the close Request (already done if UCX
+ * completed at once).  force: ucp_ep_close_nbx(FORCE) now.  Graceful: flush
+ * (everything posted reaches the peer), then, when the flush completes, a
+ * FORCE close (ucxx_endpoint_flushed), so that nothing posted on the
+ * endpoint outlives it (a rendezvous the peer never fetched fails with
+ * UCXCanceledError) and the transport resources go at once.  Close errors
+ * are not reported: the endpoint is gone either way.
+ */
 static RequestObject *
 ep_close_handle(EndpointObject *ep, int force)
 {
@@ -177,19 +183,39 @@ ep_close_handle(EndpointObject *ep, int force)
     }
     if (ep->handle != NULL && w->handle != NULL) {
         param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
-                             UCP_OP_ATTR_FIELD_USER_DATA |
-                             UCP_OP_ATTR_FIELD_FLAGS;
+                             UCP_OP_ATTR_FIELD_USER_DATA;
         param.cb.send = ucxx_send_cb;
         param.user_data = &r->op1;
-        param.flags = force ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-        sp = ucp_ep_close_nbx(ep->handle, &param);
-        ep->handle = NULL;
+        if (force) {
+            param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
+            param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+            sp = ucp_ep_close_nbx(ep->handle, &param);
+            ep->handle = NULL;
+        } else {
+            sp = ucp_ep_flush_nbx(ep->handle, &param);
+        }
         ucxx_worker_touched(w);
         ucxx_request_track(r, &r->op1, sp);
     }
     r->first_error = UCS_OK;
     ucxx_request_finish_posting(r);
     return r;
+}
+
+/* The flush of a graceful close completed (dispatch, lock held). */
+void
+ucxx_endpoint_flushed(EndpointObject *ep)
+{
+    RequestObject *r;
+
+    if (ep->handle == NULL) {
+        return;
+    }
+    r = ep_close_handle(ep, 1);
+    if (r == NULL) {
+        PyErr_WriteUnraisable((PyObject *)ep);
+    }
+    Py_XDECREF(r);
 }
 
 /* Close now (force): pending receives fail with `report`. */

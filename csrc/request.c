@@ -229,6 +229,9 @@ ucxx_request_dispatch(RequestObject *r)
     }
     if (r->kind == UCXX_REQ_CLOSE) {
         status = UCS_OK; /* the endpoint is gone either way */
+        if (r->endpoint != NULL) {
+            ucxx_endpoint_flushed(r->endpoint);
+        }
     }
     if (r->kind == UCXX_REQ_AM_DATA && r->endpoint != NULL) {
         /* A rendezvous active message arrived: hand it to am_recv. */

@@ -394,6 +394,7 @@ EndpointObject *ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
                                   int error_handling);
 void ucxx_endpoint_report_error(EndpointObject *ep);
 void ucxx_endpoint_abort_now(EndpointObject *ep, ucs_status_t report);
+void ucxx_endpoint_flushed(EndpointObject *ep);
 
 /* gather.c */
 PyObject *ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag,

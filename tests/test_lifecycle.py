@@ -673,11 +673,7 @@ async def test_close_endpoint_with_pending_receives(loc):
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("tl", ["tcp", "shm_eh"])
 @pytest.mark.parametrize("how", [
-    pytest.param("close", marks=pytest.mark.xfail(
-        strict=True, raises=TimeoutError,
-        reason="after a graceful Endpoint.close() completes, a rendezvous send "
-               "posted on it stays pending (and the peer can still fetch the data "
-               "later); only abort() fails it")),
+    "close",
     "abort",
 ])
 async def test_pending_send_settles_when_endpoint_closes(tl, how):
