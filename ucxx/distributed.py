@@ -589,9 +589,8 @@ class UCXX(Comm):
     # Who closes the UCX endpoint, and how, follows one rule: only the
     # listener's side ever closes gracefully (flush); the connector's side
     # only aborts, once the listener's side has closed (or after a timeout).
-    # A graceful close of the connector's endpoint racing an abort of the
-    # listener's leaves UCX resources (sockets) behind until the worker is
-    # destroyed, so that combination never happens.
+    # The two ends of a connection therefore never race a graceful close
+    # against a close or an abort of the other end.
 
     async def close(self) -> None:
         """Send CLOSE after everything written so far, then let the
