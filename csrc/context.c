@@ -157,6 +157,30 @@ ucxx_get_config(PyObject *module, PyObject *args, PyObject *kw)
     return d;
 }
 
+/* Whether UCX's tcp transport will prefer IPv6 (TCP_AF_PRIO), from the
+ * options or the environment, with the same precedence as the config. */
+static int
+af_prio_inet6_first(PyObject *opts, int env_first)
+{
+    const char *env = getenv("UCX_TCP_AF_PRIO");
+    const char *v = NULL;
+    PyObject *o = NULL;
+
+    if (opts != NULL && PyDict_Check(opts)) {
+        o = PyDict_GetItemString(opts, "TCP_AF_PRIO");
+        if (o == NULL) {
+            o = PyDict_GetItemString(opts, "UCX_TCP_AF_PRIO");
+        }
+    }
+    if (o != NULL && PyUnicode_Check(o) && !(env_first && env != NULL)) {
+        v = PyUnicode_AsUTF8(o);
+    } else {
+        v = env;
+    }
+    PyErr_Clear();
+    return v != NULL && strncmp(v, "inet6", 5) == 0;
+}
+
 static PyObject *
 Context_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
@@ -203,6 +227,7 @@ Context_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     }
     self->features = features;
     self->fork_gen = ucxx_fork_generation;
+    self->ipv6 = af_prio_inet6_first(opts, env_first);
     return (PyObject *)self;
 }
 

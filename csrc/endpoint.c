@@ -55,6 +55,22 @@ ep_create_quiet(WorkerObject *w, ucp_ep_params_t *params, ucp_ep_h *ep,
     return status;
 }
 
+/* Error handling PEER with our handler, or NONE with no handler at all
+ * (UCX must never call back into an endpoint object it was not told of). */
+static void
+set_err_mode(ucp_ep_params_t *params, EndpointObject *ep)
+{
+    if (ep->error_handling) {
+        params->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        params->err_mode = UCP_ERR_HANDLING_MODE_PEER;
+        params->err_handler.cb = ep_err_cb;
+        params->err_handler.arg = ep;
+    } else {
+        params->field_mask &= ~(uint64_t)UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        params->err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    }
+}
+
 EndpointObject *
 ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
                   int error_handling)
@@ -80,25 +96,20 @@ ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
     }
     ep->error_handling = error_handling;
     params->field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
-                          UCP_EP_PARAM_FIELD_ERR_HANDLER |
                           UCP_EP_PARAM_FIELD_USER_DATA;
-    params->err_mode = error_handling ? UCP_ERR_HANDLING_MODE_PEER
-                                      : UCP_ERR_HANDLING_MODE_NONE;
-    params->err_handler.cb = ep_err_cb;
-    params->err_handler.arg = ep;
     params->user_data = ep;
     ucxx_lock(w);
     if (error_handling && w->no_peer_errors) {
-        params->err_mode = UCP_ERR_HANDLING_MODE_NONE;
         ep->error_handling = 0;
     }
+    set_err_mode(params, ep);
     status = ep_create_quiet(w, params, &ep->handle, ep->error_handling);
     if (status == UCS_ERR_UNREACHABLE && ep->error_handling) {
         /* Transports without peer failure support (shared memory alone):
          * connect without error handling rather than not at all, and do
          * not ask again on this worker. */
-        params->err_mode = UCP_ERR_HANDLING_MODE_NONE;
         ep->error_handling = 0;
+        set_err_mode(params, ep);
         status = ucp_ep_create(w->handle, params, &ep->handle);
         if (status == UCS_OK) {
             w->no_peer_errors = 1;
@@ -187,8 +198,10 @@ ep_close_handle(EndpointObject *ep, int force)
         param.cb.send = ucxx_send_cb;
         param.user_data = &r->op1;
         if (force) {
+            /* FORCE is only defined with peer error handling on both
+             * sides; without it the close flushes. */
             param.op_attr_mask |= UCP_OP_ATTR_FIELD_FLAGS;
-            param.flags = UCP_EP_CLOSE_FLAG_FORCE;
+            param.flags = ep->error_handling ? UCP_EP_CLOSE_FLAG_FORCE : 0;
             sp = ucp_ep_close_nbx(ep->handle, &param);
             ep->handle = NULL;
         } else {

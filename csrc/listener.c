@@ -113,6 +113,9 @@ ucxx_listener_create(WorkerObject *w, PyObject *cb, int port,
                      "(an IPv4 or IPv6 literal is expected)", host);
         return NULL;
     }
+    if (ucxx_check_family(w, ss.ss_family, host) < 0) {
+        return NULL;
+    }
     l = (ListenerObject *)tp->tp_alloc(tp, 0);
     if (l == NULL) {
         return NULL;

@@ -150,6 +150,7 @@ typedef struct {
     uint64_t features;
     Py_ssize_t nworkers;         /* open workers created on this context */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
+    int ipv6;                    /* TCP_AF_PRIO puts inet6 first */
     PyObject *weakreflist;
 } ContextObject;
 
@@ -336,6 +337,7 @@ PyObject *ucxx_config_to_dict(const ucp_config_t *config);
 /* worker.c */
 extern PyType_Spec ucxx_worker_spec;
 int ucxx_worker_check(WorkerObject *w);
+int ucxx_check_family(WorkerObject *w, int family, const char *host);
 void ucxx_worker_touched(WorkerObject *w);
 int ucxx_worker_dispatch(WorkerObject *w);
 unsigned ucxx_worker_drain(WorkerObject *w, unsigned budget);

@@ -290,6 +290,25 @@ loop_is_closed(ucxx_state *st, PyObject *loop)
     return closed;
 }
 
+/* Thread modes: unregister the loop's reader of notify_fd (while that fd is
+ * still open: a closed fd's number is soon reused), then join the thread. */
+static void
+stop_thread(WorkerObject *w, PyObject *open_loop)
+{
+    PyObject *res;
+
+    if (!w->thread_running) {
+        return;
+    }
+    if (open_loop != NULL) {
+        res = PyObject_CallMethod(open_loop, "remove_reader", "i",
+                                  w->notify_fd);
+        Py_XDECREF(res);
+        PyErr_Clear();
+    }
+    ucxx_thread_stop(w);
+}
+
 static int
 loop_is_running(PyObject *loop)
 {
@@ -326,15 +345,7 @@ ucxx_worker_detach(WorkerObject *w)
         Py_XDECREF(res);
         PyErr_Clear();
     }
-    if (w->thread_running) {
-        if (!closed) {
-            res = PyObject_CallMethod(loop, "remove_reader", "i",
-                                      w->notify_fd);
-            Py_XDECREF(res);
-            PyErr_Clear();
-        }
-        ucxx_thread_stop(w);
-    }
+    stop_thread(w, closed ? NULL : loop);
     if (task != NULL) {
         /* The coroutine sees it is detached and returns on its next step;
          * a task that will never run again must not log at collection. */
@@ -458,6 +469,25 @@ ucxx_worker_check(WorkerObject *w)
         PyErr_SetString(PyExc_RuntimeError,
                         "ucxx objects must be used from the thread of the "
                         "running event loop driving their worker");
+        return -1;
+    }
+    return 0;
+}
+
+/* UCX's tcp transport speaks one address family first (TCP_AF_PRIO,
+ * default inet): a connection of the other family fails inside UCX, and
+ * its error path has been seen to corrupt the heap.  Refuse it up front. */
+int
+ucxx_check_family(WorkerObject *w, int family, const char *host)
+{
+    if ((family == AF_INET6) != (w->context->ipv6 != 0)) {
+        ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CONFIG,
+                   "address '%s' is IPv%c but UCX's tcp transport is set up "
+                   "for IPv%c: set UCX_TCP_AF_PRIO=%s (or the option "
+                   "TCP_AF_PRIO) to use it", host,
+                   family == AF_INET6 ? '6' : '4',
+                   w->context->ipv6 ? '6' : '4',
+                   family == AF_INET6 ? "inet6,inet" : "inet,inet6");
         return -1;
     }
     return 0;
@@ -666,7 +696,10 @@ worker_close_now(WorkerObject *w)
         forget_forked(w);
         return;
     }
-    ucxx_thread_stop(w);
+    if (w->thread_running) {
+        stop_thread(w, loop_is_closed(ucxx_state_of((PyObject *)w), w->loop)
+                           ? NULL : w->loop);
+    }
     /* Listeners first (no new endpoints), then endpoints (their sends fail
      * with UCX errors), then whatever is still pending. */
     while (!ucxx_list_empty(&w->listeners)) {
@@ -957,6 +990,10 @@ Worker_ep_from_sockaddr(WorkerObject *w, PyObject *args, PyObject *kw)
     if (rc != 0) {
         PyErr_Format(PyExc_ValueError, "cannot resolve address %R: %s",
                      PyTuple_GET_ITEM(args, 0), gai_strerror(rc));
+        return NULL;
+    }
+    if (ucxx_check_family(w, res->ai_family, host) < 0) {
+        freeaddrinfo(res);
         return NULL;
     }
     params.field_mask = UCP_EP_PARAM_FIELD_FLAGS | UCP_EP_PARAM_FIELD_SOCK_ADDR;

@@ -382,7 +382,10 @@ class BlockingPollProbe:
         self.blocking = 0
         self.violations: list[str] = []
         self._sel = getattr(loop, "_selector", None)
-        if self._sel is None:  # pragma: no cover - non-selector loops
+        # uvloop has no Python selector to wrap: the probe sees nothing there
+        # (the stress itself still runs and would hang on a lost wakeup).
+        self.available = self._sel is not None
+        if self._sel is None:
             return
         self._orig = self._sel.select
 

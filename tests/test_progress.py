@@ -42,11 +42,11 @@ def check_probe(probe, mode):
     assert not probe.violations, probe.violations[:5]
     if mode == "blocking":
         # the loop really slept on the worker's fd at some point
-        assert probe.blocking > 0
+        assert not probe.available or probe.blocking > 0
     else:
         # polling: the progress task keeps the loop from blocking, except
         # where nothing at all is left to do between phases
-        assert probe.polls > 0
+        assert not probe.available or probe.polls > 0
 
 
 @pytest.mark.timeout(10)
@@ -67,6 +67,8 @@ async def test_probe_detects_an_unarmed_worker():
         await asyncio.sleep(0.01)
     finally:
         probe.close()
+    if not probe.available:
+        pytest.skip("the probe needs a selector-based loop")
     assert probe.blocking >= 1 and probe.violations
     assert "select" not in vars(loop._selector)
 
@@ -191,7 +193,7 @@ async def test_post_while_armed_same_turn(tl):
         finally:
             probe.close()
         assert not probe.violations, probe.violations[:5]
-        assert probe.blocking >= 50
+        assert not probe.available or probe.blocking >= 50
     finally:
         p.close()
 
@@ -218,6 +220,6 @@ async def test_idle_worker_is_armed_and_wakes():
             probe.close()
         assert out == b"hello"
         assert not probe.violations
-        assert probe.blocking >= 1
+        assert not probe.available or probe.blocking >= 1
     finally:
         loc.close()
