@@ -173,7 +173,6 @@ struct WorkerObject {
     int armed;                   /* ucp_worker_arm succeeded, no UCX call since */
     int rearm_scheduled;         /* a rearm callback is in loop's ready queue */
     int dispatching;             /* re-entrancy guard for dispatch */
-    int ndispatched;             /* requests dispatched since _on_efd reset */
     int peer_errors_ok;          /* an endpoint with error handling worked */
     int no_peer_errors;          /* transports cannot detect peer failure */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */

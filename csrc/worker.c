@@ -66,7 +66,6 @@ ucxx_worker_dispatch(WorkerObject *w)
             r->next_done = NULL;
             ucxx_request_dispatch(r);
             n++;
-            w->ndispatched++;
         } else if (!ucxx_list_empty(&w->errored)) {
             EndpointObject *ep = UCXX_CONTAINER(w->errored.next,
                                                 EndpointObject, elink);
@@ -222,22 +221,31 @@ PyDoc_STRVAR(Worker_on_efd_doc,
 static PyObject *
 Worker_on_efd(WorkerObject *w, PyObject *unused)
 {
+    unsigned n = 0;
+
     if (w->handle == NULL) {
         Py_RETURN_NONE;
     }
     w->armed = 0;
-    w->ndispatched = 0;
-    if (ucxx_worker_drain(w, UCXX_DRAIN_BUDGET)) {
-        schedule_rearm(w);
-        Py_RETURN_NONE;
+    while (ucp_worker_progress(w->handle) != 0) {
+        if (w->done_head != NULL && w->ready_append != NULL) {
+            /* Requests completed: resolve them and let their tasks run
+             * first; the rest of the drain and the arm happen in _rearm,
+             * queued behind those tasks (they usually re-arm themselves
+             * while they suspend again).  This keeps the final empty
+             * progress call and ucp_worker_arm off the wakeup path. */
+            ucxx_worker_dispatch(w);
+            schedule_rearm(w);
+            Py_RETURN_NONE;
+        }
+        if (++n >= UCXX_DRAIN_BUDGET) {
+            ucxx_worker_dispatch(w);
+            schedule_rearm(w);
+            Py_RETURN_NONE;
+        }
     }
-    if (w->ndispatched > 0 && w->ready_append != NULL) {
-        /* Tasks were woken: arm after they ran (they usually post and
-         * re-arm themselves), keeping the arm off the wakeup path. */
-        schedule_rearm(w);
-    } else {
-        worker_service(w, 1);
-    }
+    ucxx_worker_dispatch(w);
+    worker_service(w, 1);
     Py_RETURN_NONE;
 }
 

@@ -134,10 +134,30 @@ def _progress_worker():
 _warmed = None
 
 
+async def _warm_up_uvloop() -> None:
+    """uvloop creates some fds of its own on first use of a TCP server (they
+    live as long as the loop): create them before the baseline."""
+    loop = asyncio.get_running_loop()
+    if type(loop).__module__.split(".")[0] != "uvloop" or getattr(loop, "_ucxx_warm", False):
+        return
+    server = await asyncio.start_server(lambda r, w: w.close(), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    _, w = await asyncio.open_connection("127.0.0.1", port)
+    w.close()
+    await w.wait_closed()
+    server.close()
+    await server.wait_closed()
+    try:
+        loop._ucxx_warm = True
+    except AttributeError:
+        pass
+
+
 async def _warm_up(ctx) -> None:
     """Make the worker create its lazily created fds (e.g. the keepalive
     timerfd, on the first endpoint) before a test takes its baseline."""
     global _warmed
+    await _warm_up_uvloop()
     if _warmed is not None and _warmed() is ctx:
         return
     import weakref

@@ -94,6 +94,10 @@ async def test_handshake_raw_tcp_server(answer):
     finally:
         for w in writers:
             w.close()
+            try:
+                await w.wait_closed()
+            except OSError:
+                pass
         server.close()
         await server.wait_closed()
     # the aborted endpoint is gone: nothing still references the context
