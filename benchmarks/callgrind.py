@@ -22,7 +22,8 @@ Workloads (all over ``UCX_TLS=tcp``, 1-byte messages by default):
     progress/wake-up work of both workers). Variants: ``py-blocking``
     (core API, blocking, spin 0), ``py-polling`` (core, polling, spin 0),
     ``pub-blocking`` (public API: ``ucxx.init`` / ``create_listener`` /
-    ``create_endpoint``, blocking, spin 0).
+    ``create_endpoint``, blocking, spin 0), ``py-blocking-uvloop`` (as
+    ``py-blocking``, on uvloop).
 ``c-blocking``
     the reference C ping-pong (``ref/pingpong -f -m blocking``); its two
     processes are both counted (callgrind follows the fork) and summed, so
@@ -65,7 +66,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-VARIANTS = ("py-blocking", "py-polling", "py-blocking-1w", "pub-blocking", "c-blocking")
+VARIANTS = ("py-blocking", "py-polling", "py-blocking-1w", "pub-blocking", "c-blocking",
+            "py-blocking-uvloop")
 # 16 frames per batch, echoed (gather_bench.py's methods), in one process;
 # the figure is per batch round trip. Default frame size 1 KiB.
 BATCH_VARIANTS = ("batch-gather", "batch-sequential", "batch-asyncio", "batch-single")
@@ -228,6 +230,12 @@ async def _inproc_batches(method: str, nbytes: int, iters: int, frames: int = 16
 
 
 def _workload(variant: str, nbytes: int, iters: int) -> None:
+    if variant == "py-blocking-uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(_inproc_core("blocking", 0.0, nbytes, iters))
+        return
     if variant.startswith("batch-"):
         asyncio.run(_inproc_batches(variant[len("batch-"):], nbytes, iters))
         return

@@ -24,6 +24,8 @@ APIs:
     ``_ucxx.Worker(ctx, mode, spin_us=...)``, ``worker.start(loop)``,
     ``worker.listen``, ``worker.ep_from_sockaddr``, ``ep.send/ep.recv`` on a
     fixed tag (the reference's tag values).
+``--loop uvloop``
+    run both sides on uvloop instead of the stdlib event loop.
 ``--api public``
     the public API: ``ucxx.init(progress_mode=..., spin_us=...)``,
     ``ucxx.create_listener``, ``await ucxx.create_endpoint`` (with the
@@ -322,18 +324,30 @@ async def _client(args, port: int) -> dict:
     }
 
 
-def _format(r: dict, api: str, spin_us) -> str:
+def _format(r: dict, api: str, spin_us, loop: str = "asyncio") -> str:
     spin = "default" if spin_us is None else f"{spin_us:g}"
     return (
         f"RESULT mode={r['mode']} bytes={r['bytes']} iters={r['iters']} "
         f"latency_ns={r['latency_ns']:.1f} median_latency_ns={r['median_latency_ns']:.1f} "
         f"bandwidth_Bps={r['bandwidth_Bps']:.1f} api={api} spin_us={spin}"
+        + ("" if loop == "asyncio" else f" loop={loop}")
     )
+
+
+def _run(coro, loop_name: str):
+    """asyncio.run on the stdlib loop or on uvloop's."""
+    if loop_name == "uvloop":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            return runner.run(coro)
+    return asyncio.run(coro)
 
 
 def _spawn_server(args, server_cpu):
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "server",
-           "--api", args.api, "--mode", args.mode, "--host", args.host]
+           "--api", args.api, "--mode", args.mode, "--host", args.host,
+           "--loop", args.loop]
     if args.spin_us is not None:
         cmd += ["--spin-us", repr(args.spin_us)]
     if server_cpu is not None:
@@ -374,6 +388,8 @@ def _main(argv=None) -> int:
                    help="UCX_TLS, or 'shm' (see ref/run_ref.py); default: the environment")
     p.add_argument("--cpus", default=None, help="pin: CPU or SERVER_CPU,CLIENT_CPU")
     p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
+                   help="event loop implementation (default: the stdlib's)")
     p.add_argument("-c", "--check", action="store_true", help="verify the echoed payload")
     p.add_argument("--role", choices=("client", "server"), default="client",
                    help=argparse.SUPPRESS)
@@ -388,14 +404,14 @@ def _main(argv=None) -> int:
     if args.role == "server":
         _die_with_parent()
         _pin(server_cpu)
-        return asyncio.run(_server(args))
+        return _run(_server(args), args.loop)
 
     server = _spawn_server(args, server_cpu)
     try:
         _pin(client_cpu)
         port = _read_port(server)
-        result = asyncio.run(_client(args, port))
-        print(_format(result, args.api, args.spin_us), flush=True)
+        result = _run(_client(args, port), args.loop)
+        print(_format(result, args.api, args.spin_us, args.loop), flush=True)
         try:
             status = server.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -425,6 +441,7 @@ def run_py(
     cpus=None,
     env: dict[str, str] | None = None,
     check: bool = False,
+    loop: str = "asyncio",
     timeout: float | None = 600.0,
 ) -> dict:
     """One measurement in fresh processes; returns the parsed RESULT line
@@ -439,6 +456,8 @@ def run_py(
             cmd += ["--cpus", f"{s},{c}"]
     if check:
         cmd.append("--check")
+    if loop != "asyncio":
+        cmd += ["--loop", loop]
     run_env = dict(os.environ)
     run_env.update(ucx_env(tls))
     if env:

@@ -18,6 +18,7 @@ What it does:
    py-blocking-spin    ``--api core -m blocking --spin-us S`` (default 50)
    py-polling-spin     ``--api core -m polling --spin-us S``
    pub-blocking        ``--api public -m blocking --spin-us 0``
+   py-*-uvloop         optional: ``py-blocking``/``py-polling`` on uvloop
    ==================  ==================================================
 
    Each run is a fresh pair of processes pinned to ``--cpus`` (server,
@@ -77,11 +78,18 @@ VARIANTS = {
     "py-polling-spin": ("py", "core", "polling", "S", "Py polling+spin", ("c-polling",)),
     "pub-blocking": ("py", "public", "blocking", 0, "public API blocking spin 0",
                      ("c-blocking",)),
+    # optional (not in the default set): the same on uvloop
+    "py-blocking-uvloop": ("py", "core", "blocking", 0, "Py blocking spin 0 uvloop",
+                           ("c-blocking",)),
+    "py-polling-uvloop": ("py", "core", "polling", 0, "Py polling spin 0 uvloop",
+                          ("c-polling",)),
 }
+LOOPS = {"py-blocking-uvloop": "uvloop", "py-polling-uvloop": "uvloop"}
 # Run order inside one (round, transport, size): each Python variant next to
 # the C run it is compared with.
-ORDER = ["c-blocking", "py-blocking", "pub-blocking", "py-blocking-spin",
-         "c-polling", "py-polling", "py-polling-spin"]
+ORDER = ["c-blocking", "py-blocking", "pub-blocking", "py-blocking-spin", "py-blocking-uvloop",
+         "c-polling", "py-polling", "py-polling-spin", "py-polling-uvloop"]
+DEFAULT_VARIANTS = [v for v in ORDER if v not in LOOPS]
 
 
 def iterations(nbytes: int, scale: float) -> tuple[int, int]:
@@ -239,7 +247,8 @@ def run_pingpong(args, variants: list[str], sizes: list[int], tlss: list[str]) -
                                         timeout=args.timeout)
                         else:
                             r = run_py(api, mode, nbytes, iters, warmup, tls, spin_us=spin_us,
-                                       cpus=cpus, timeout=args.timeout)
+                                       cpus=cpus, timeout=args.timeout,
+                                       loop=LOOPS.get(v, "asyncio"))
                         rec.update(latency_ns=r["latency_ns"],
                                    median_latency_ns=r["median_latency_ns"],
                                    bandwidth_Bps=r["bandwidth_Bps"])
@@ -306,7 +315,7 @@ def run_callgrind(args) -> dict:
     # one-worker loopback and the 16 KiB single message have been seen to
     # stall (see docs/BENCHMARKS.md); run them by hand with callgrind.py.
     names = ["py-blocking", "c-blocking"] if args.quick else [
-        "py-blocking", "py-polling", "pub-blocking", "c-blocking",
+        "py-blocking", "py-polling", "pub-blocking", "py-blocking-uvloop", "c-blocking",
         "batch-gather", "batch-sequential", "batch-asyncio"]
     out = {"iters": [n1, n2], "batch_iters": [50, 150], "results": []}
     for v in names:
@@ -540,6 +549,7 @@ CG_LABELS = {
     "py-polling": "Python, core API, polling (spin 0), 2 workers",
     "py-blocking-1w": "Python, core API, blocking, 1 worker",
     "pub-blocking": "Python, public API, blocking, 1 worker",
+    "py-blocking-uvloop": "Python, core API, blocking, 2 workers, uvloop",
     "c-blocking": "C reference, blocking (2 processes)",
 }
 
@@ -657,7 +667,8 @@ def _render_gather(ga: list[dict]) -> str:
             w(f"| {size_label(int(s))} | " + " | ".join(cells)
               + f" | {e['speedup_vs_sequential']:.2f}× [{rs[0]:.2f}–{rs[1]:.2f}]"
               + f" | {e['speedup_vs_asyncio']:.2f}× [{ra[0]:.2f}–{ra[1]:.2f}] |")
-        w("\nClient CPU time per batch round trip, user + system µs (`getrusage`):\n")
+        w("\nClient CPU time per batch round trip, user + system µs (`getrusage`; the "
+          "kernel samples it per tick, so these are rough):\n")
         w("| frame size | gather | sequential | asyncio.gather | one message |")
         w("|---:|---:|---:|---:|---:|")
         for s, e in res["sizes"].items():
@@ -697,6 +708,8 @@ def plot(data: dict, outdir: Path = DOCS) -> list[str]:
         "py-blocking-spin": (f"Py blocking + spin {cfg['spin_us']:g} µs", "tab:green", ":", "^"),
         "py-polling-spin": (f"Py polling + spin {cfg['spin_us']:g} µs", "tab:red", ":", "v"),
         "pub-blocking": ("public API blocking, spin 0", "tab:purple", "-.", "d"),
+        "py-blocking-uvloop": ("Py blocking, spin 0, uvloop", "tab:cyan", "--", "P"),
+        "py-polling-uvloop": ("Py polling, spin 0, uvloop", "tab:brown", "--", "P"),
     }
     written = []
     for tls in cfg["tls"]:
@@ -764,8 +777,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="rounds (default 4, quick 2)")
     p.add_argument("--scale", type=float, default=None,
                    help="multiply the iteration counts (default 1, quick 0.25)")
-    p.add_argument("--variants", default=",".join(ORDER),
-                   help=f"comma list of {', '.join(ORDER)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma list of {', '.join(ORDER)} (default: all but the "
+                   "uvloop ones)")
     p.add_argument("--spin-us", type=float, default=50.0, help="budget of the +spin variants")
     p.add_argument("--cpus", default="0,1",
                    help="SERVER_CPU,CLIENT_CPU pinning ('none': unpinned)")
