@@ -72,17 +72,20 @@ ucxx_worker_dispatch(WorkerObject *w)
             ucxx_list_del(&ep->elink);
             ep->err_queued = 0;
             ucxx_endpoint_report_error(ep);
+            n++;
         } else if (!ucxx_list_empty(&w->conn_ready)) {
             ListenerObject *l = UCXX_CONTAINER(w->conn_ready.next,
                                                ListenerObject, clink);
             ucxx_list_del(&l->clink);
             l->conn_queued = 0;
             ucxx_listener_deliver(l);
+            n++;
         } else if (!ucxx_list_empty(&w->am_ready)) {
             EndpointObject *ep = UCXX_CONTAINER(w->am_ready.next,
                                                 EndpointObject, alink);
             ucxx_list_del(&ep->alink);
             ucxx_am_deliver(ep);
+            n++;
         } else {
             break;
         }
@@ -91,21 +94,30 @@ ucxx_worker_dispatch(WorkerObject *w)
     return n;
 }
 
-/* Progress until idle or budget spent; returns 1 if work may remain. */
+/* Progress until idle or budget spent; returns 1 if work may remain.
+ * Dispatching can call UCX (a failed endpoint is force-closed, a listener
+ * creates endpoints): after a dispatch that did anything, progress again,
+ * so that "drained" really means nothing is left before an arm. */
 unsigned
 ucxx_worker_drain(WorkerObject *w, unsigned budget)
 {
     unsigned n = 0;
 
     w->armed = 0;
-    while (ucp_worker_progress(w->handle) != 0) {
+    for (;;) {
+        while (ucp_worker_progress(w->handle) != 0) {
+            if (++n >= budget) {
+                ucxx_worker_dispatch(w);
+                return 1;
+            }
+        }
+        if (ucxx_worker_dispatch(w) == 0) {
+            return 0;
+        }
         if (++n >= budget) {
-            ucxx_worker_dispatch(w);
             return 1;
         }
     }
-    ucxx_worker_dispatch(w);
-    return 0;
 }
 
 /* DRAIN (unless the caller just did) + ARM.
@@ -244,8 +256,8 @@ Worker_on_efd(WorkerObject *w, PyObject *unused)
             Py_RETURN_NONE;
         }
     }
-    ucxx_worker_dispatch(w);
-    worker_service(w, 1);
+    /* Dispatching may have called UCX: drain once more before the arm. */
+    worker_service(w, ucxx_worker_dispatch(w) == 0);
     Py_RETURN_NONE;
 }
 
