@@ -4,7 +4,8 @@ Many tasks post sends and receives at random points relative to the
 progress coroutine: after random numbers of ``sleep(0)``, right after the
 worker armed (before the loop polls), from plain loop callbacks, in bursts;
 in one process (two workers on one loop) and across two processes, over tcp
-and shared memory, in blocking mode, polling mode and with a spin budget.
+and shared memory, in blocking mode, polling mode, with a spin budget and in both thread
+modes.
 Every run is bounded by a timeout (a lost wakeup shows as a hang), every
 payload is checked, and a selector probe asserts that the loop never blocks
 in its poll while a blocking-mode worker is not armed.
@@ -27,8 +28,11 @@ CONFIGS = [
     ("polling", None),
     ("blocking", 50.0),
     ("polling", 20.0),
+    ("thread", None),
+    ("thread-polling", None),
 ]
-CONFIG_IDS = ["blocking", "polling", "blocking-spin50", "polling-spin20"]
+CONFIG_IDS = ["blocking", "polling", "blocking-spin50", "polling-spin20", "thread",
+              "thread-polling"]
 NSTREAMS = 6
 NMSGS = 400
 NPINGPONG = 200
