@@ -64,6 +64,16 @@ class Pair:
         self.a = U.Worker(self.ctx, mode, spin_us)
         self.b = U.Worker(self.ctx, mode, spin_us)
         self.ab = self.a.ep_from_address(self.b.address)
+        # Finish a->b wireup before creating b->a: UCX 1.22's own assertion
+        # in wireup.c ("lane 0 exists") has fired on crossing wireups of two
+        # workers in one process under ASan's timing.
+        r = self.b.tag_recv(bytearray(1), 0xFFFF_FFFF_FFFF_FFF0)
+        s = self.ab.tag_send(b"w", 0xFFFF_FFFF_FFFF_FFF0)
+        for _ in range(100000):
+            if r.done() and s.done():
+                break
+            self.a.progress()
+            self.b.progress()
         self.ba = self.b.ep_from_address(self.a.address)
 
     def close(self):
