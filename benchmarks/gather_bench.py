@@ -48,6 +48,7 @@ if str(HERE) not in sys.path:
 
 from pingpong_py import (  # noqa: E402
     CONNECT_TIMEOUT_S,
+    NET_DEVICES,
     PyBenchError,
     _die_with_parent,
     _parse_cpus,
@@ -224,6 +225,7 @@ def _summarise(args, times, means, cpu) -> dict:
         "spin_us": args.spin_us,
         "tls": args.tls,
         "cpus": args.cpus,
+        "net_devices": os.environ.get("UCX_NET_DEVICES"),
         "sizes": {},
     }
     for s, per in times.items():
@@ -300,6 +302,8 @@ def _main(argv=None) -> int:
     p.add_argument("--spin-us", type=float, default=0.0)
     p.add_argument("--tls", default="tcp", help="UCX_TLS or 'shm' (default tcp)")
     p.add_argument("--cpus", default=None, help="pin: CPU or SERVER_CPU,CLIENT_CPU")
+    p.add_argument("--net-devices", default=NET_DEVICES,
+                   help="UCX_NET_DEVICES (default lo; '' leaves the environment alone)")
     p.add_argument("-c", "--check", action="store_true", help="verify echoed frames")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per measurement")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -309,6 +313,8 @@ def _main(argv=None) -> int:
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
     os.environ.update(ucx_env(args.tls))
+    if args.net_devices:
+        os.environ["UCX_NET_DEVICES"] = args.net_devices
     server_cpu, client_cpu = _parse_cpus(args.cpus)
 
     if args.role == "server":

@@ -72,6 +72,10 @@ MAGIC = 0x75637878706F6E67  # "ucxxpong"
 VERSION = 1
 HELLO = struct.Struct("<6Q")  # magic, version, nbytes, iters, warmup, check
 MAX_BYTES = 1 << 40
+# Only the loopback: with UCX_TLS=tcp UCX otherwise opens lanes on every
+# network interface, including short-lived ones that other programs create
+# and delete (runs then change speed or fail when such an interface goes).
+NET_DEVICES = "lo"
 OP_TIMEOUT_S = 60.0
 CONNECT_TIMEOUT_S = 10.0
 
@@ -347,7 +351,7 @@ def _run(coro, loop_name: str):
 def _spawn_server(args, server_cpu):
     cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "server",
            "--api", args.api, "--mode", args.mode, "--host", args.host,
-           "--loop", args.loop]
+           "--loop", args.loop, "--net-devices", ""]  # the client set the environment
     if args.spin_us is not None:
         cmd += ["--spin-us", repr(args.spin_us)]
     if server_cpu is not None:
@@ -387,6 +391,8 @@ def _main(argv=None) -> int:
     p.add_argument("--tls", default=None,
                    help="UCX_TLS, or 'shm' (see ref/run_ref.py); default: the environment")
     p.add_argument("--cpus", default=None, help="pin: CPU or SERVER_CPU,CLIENT_CPU")
+    p.add_argument("--net-devices", default=NET_DEVICES,
+                   help="UCX_NET_DEVICES (default lo; '' leaves the environment alone)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio",
                    help="event loop implementation (default: the stdlib's)")
@@ -399,6 +405,8 @@ def _main(argv=None) -> int:
         p.error("--iters must be >= 1")
 
     os.environ.update(ucx_env(args.tls))
+    if args.net_devices:
+        os.environ["UCX_NET_DEVICES"] = args.net_devices
     server_cpu, client_cpu = _parse_cpus(args.cpus)
 
     if args.role == "server":
@@ -442,6 +450,7 @@ def run_py(
     env: dict[str, str] | None = None,
     check: bool = False,
     loop: str = "asyncio",
+    net_devices: str = NET_DEVICES,
     timeout: float | None = 600.0,
 ) -> dict:
     """One measurement in fresh processes; returns the parsed RESULT line
@@ -458,6 +467,7 @@ def run_py(
         cmd.append("--check")
     if loop != "asyncio":
         cmd += ["--loop", loop]
+    cmd += ["--net-devices", net_devices]
     run_env = dict(os.environ)
     run_env.update(ucx_env(tls))
     if env:

@@ -56,7 +56,7 @@ ROOT = HERE.parent
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-from pingpong_py import run_py  # noqa: E402
+from pingpong_py import NET_DEVICES, run_py  # noqa: E402
 from ref.run_ref import RefError, build, parse_size, run_ref, ucx_env  # noqa: E402
 
 DOCS = ROOT / "docs"
@@ -213,11 +213,15 @@ class Progress:
               flush=True)
 
 
-def check_public(tls: str, cpus) -> str | None:
+def net_env(args) -> dict[str, str]:
+    return {"UCX_NET_DEVICES": args.net_devices} if args.net_devices else {}
+
+
+def check_public(tls: str, cpus, net_devices: str) -> str | None:
     """None if the public API runs a tiny ping-pong, else the reason."""
     try:
         run_py("public", "blocking", 1, iters=20, warmup=2, tls=tls, cpus=cpus,
-               spin_us=0, timeout=60)
+               spin_us=0, timeout=60, net_devices=net_devices)
         return None
     except Exception as exc:
         return str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else repr(exc)
@@ -244,11 +248,12 @@ def run_pingpong(args, variants: list[str], sizes: list[int], tlss: list[str]) -
                     try:
                         if kind == "c":
                             r = run_ref(mode, nbytes, iters, warmup, tls, cpus=cpus,
-                                        timeout=args.timeout)
+                                        timeout=args.timeout, env=net_env(args))
                         else:
                             r = run_py(api, mode, nbytes, iters, warmup, tls, spin_us=spin_us,
                                        cpus=cpus, timeout=args.timeout,
-                                       loop=LOOPS.get(v, "asyncio"))
+                                       loop=LOOPS.get(v, "asyncio"),
+                                       net_devices=args.net_devices)
                         rec.update(latency_ns=r["latency_ns"],
                                    median_latency_ns=r["median_latency_ns"],
                                    bandwidth_Bps=r["bandwidth_Bps"])
@@ -317,20 +322,24 @@ def run_callgrind(args) -> dict:
     names = ["py-blocking", "c-blocking"] if args.quick else [
         "py-blocking", "py-polling", "pub-blocking", "py-blocking-uvloop", "c-blocking",
         "batch-gather", "batch-sequential", "batch-asyncio"]
-    out = {"iters": [n1, n2], "batch_iters": [50, 150], "results": []}
+    reps = 1 if args.quick else 2
+    out = {"iters": [n1, n2], "batch_iters": [40, 160], "repeats": reps, "results": []}
     for v in names:
         t = time.monotonic()
         batch = v.startswith("batch-")
         try:
             if batch:
-                r = callgrind.measure(v, 50, 150, nbytes=1024, top=15)
+                # per batch the counts are large: one run of each is enough
+                r = callgrind.measure(v, 40, 160, nbytes=1024, top=15, repeats=1)
             else:
-                r = callgrind.measure(v, n1, n2, top=15)
+                r = callgrind.measure(v, n1, n2, top=15, repeats=reps)
             if v in ("py-blocking", "pub-blocking"):
                 r["python_calls_per_rt"] = callgrind.python_calls(v, n1, n2, top=40)
             out["results"].append(r)
             print(f"[callgrind] {v:<15} {r['ir_per_rt']:>10,.0f} Ir per round trip "
-                  f"({time.monotonic() - t:.0f} s)", flush=True)
+                  f"({time.monotonic() - t:.0f} s"
+                  + (f"; {len(r['failed_runs'])} run(s) failed" if r.get("failed_runs") else "")
+                  + ")", flush=True)
         except Exception as exc:
             out["results"].append({"variant": v, "error": str(exc)[-1000:]})
             print(f"[callgrind] {v:<15} FAILED: {str(exc).splitlines()[-1][:200]}", flush=True)
@@ -348,6 +357,7 @@ def run_gather(args) -> list[dict]:
                "-m", mode, "--spin-us", str(spin), "--tls", "tcp", "--json"]
         if args.cpus:
             cmd += ["--cpus", args.cpus]
+        cmd += ["--net-devices", args.net_devices]
         t = time.monotonic()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
         if proc.returncode != 0:
@@ -448,7 +458,9 @@ def render(data: dict, outdir: Path = DOCS) -> str:
         w(f"- The public-API variant was skipped: {cfg['public_skipped']}")
     w("- Transports: `tcp` = `UCX_TLS=tcp` (loopback); `shared memory` = "
       "`UCX_TLS=posix,sysv,cma,tcp` + `UCX_MM_ERROR_HANDLING=y` (sysv carries the "
-      "messages; see `benchmarks/README.md`).\n")
+      "messages; see `benchmarks/README.md`)"
+      + (f"; every run with `UCX_NET_DEVICES={cfg['net_devices']}`."
+         if cfg.get("net_devices") else ".") + "\n")
 
     py_vars = [v for v in ORDER if v in variants and VARIANTS[v][0] == "py"]
     c_vars = [v for v in ("c-blocking", "c-polling") if v in variants]
@@ -491,6 +503,8 @@ def render(data: dict, outdir: Path = DOCS) -> str:
     if tlss:
         _render_spread(w, tlss, sizes, py_vars, summary)
     fails = [r for r in data["runs"] if "error" in r]
+    cgf = [(r["variant"], e) for r in (data.get("callgrind") or {}).get("results", [])
+           for e in r.get("failed_runs", [])]
     if fails:
         w(f"**{len(fails)} run(s) failed** (left out of the medians):\n")
         for r in fails[:10]:
@@ -502,6 +516,11 @@ def render(data: dict, outdir: Path = DOCS) -> str:
     cg = data.get("callgrind")
     if cg:
         w(_render_callgrind(cg))
+        if cgf:
+            w(f"{len(cgf)} callgrind run(s) failed and were replaced by a repeat:\n")
+            for v, e in cgf[:8]:
+                w(f"- {v}: `{e}`")
+            w("")
     ga = data.get("gather")
     if ga:
         w(_render_gather(ga))
@@ -558,13 +577,17 @@ def _render_callgrind(cg: dict) -> str:
     L = []
     w = L.append
     w("### Instructions per round trip (callgrind)\n")
-    w(f"`python benchmarks/callgrind.py` — 1-byte ping-pong over tcp, run twice under "
-      f"`valgrind --tool=callgrind` with {cg['iters'][0]} and {cg['iters'][1]} measured "
-      "round trips; (Ir₂ − Ir₁) / (N₂ − N₁) is the cost of one round trip, both ends "
+    reps = cg.get("repeats", 1)
+    w(f"`python benchmarks/callgrind.py` — 1-byte ping-pong over tcp under "
+      f"`valgrind --tool=callgrind` with N₁ = {cg['iters'][0]} and N₂ = {cg['iters'][1]} "
+      "measured round trips"
+      + (f" ({reps} runs of each, the one with the fewest instructions kept: one-off "
+         "work only ever adds)" if reps > 1 else "")
+      + "; (Ir₂ − Ir₁) / (N₂ − N₁) is the cost of one round trip, both ends "
       "included (the Python workloads run client and server as two tasks on one "
       "asyncio loop; the C reference's two processes are summed). Instruction counts "
-      "do not depend on machine load: compare them between commits to catch "
-      "regressions in the per-message path.\n")
+      "hardly depend on machine load (they move by a few per cent between runs): "
+      "compare them between commits to catch regressions in the per-message path.\n")
     groups = ["CPython interpreter (libpython)", "ucxx extension (_ucxx.so)",
               "UCX (libucp/libuct/libucs)", "libc"]
     w("| workload | Ir / round trip | interpreter | `_ucxx` | UCX | libc | other "
@@ -784,6 +807,9 @@ def main(argv=None) -> int:
     p.add_argument("--cpus", default="0,1",
                    help="SERVER_CPU,CLIENT_CPU pinning ('none': unpinned)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    p.add_argument("--net-devices", default=NET_DEVICES,
+                   help="UCX_NET_DEVICES for every run (default lo: see pingpong_py.py; "
+                   "'' leaves the environment alone)")
     p.add_argument("--no-pingpong", action="store_true")
     p.add_argument("--no-callgrind", action="store_true")
     p.add_argument("--no-gather", action="store_true")
@@ -824,6 +850,7 @@ def main(argv=None) -> int:
         "load_start": loadavg(),
         "config": {"sizes": sizes, "tls": tlss, "rounds": args.rounds, "scale": args.scale,
                    "variants": variants, "spin_us": args.spin_us, "cpus": args.cpus,
+                   "net_devices": args.net_devices,
                    "command": command.strip(), "quick": args.quick},
         "runs": [],
         "summary": {},
@@ -835,7 +862,7 @@ def main(argv=None) -> int:
 
     if not args.no_pingpong:
         if "pub-blocking" in variants:
-            why = check_public(tlss[0], args.cpus)
+            why = check_public(tlss[0], args.cpus, args.net_devices)
             if why:
                 print(f"public API variant skipped: {why}", flush=True)
                 variants.remove("pub-blocking")
