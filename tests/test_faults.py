@@ -1,0 +1,824 @@
+"""Injected faults: peers killed mid-traffic, network links that fail.
+
+Two families (figures in docs/RELIABILITY.md, "Faults injected"):
+
+- **Peer killed** (SIGKILL) at a random point of 100 echo transfers of
+  random sizes, over tcp and over shared memory with error handling
+  (``UCX_TLS=posix,sysv,cma,tcp`` + ``UCX_MM_ERROR_HANDLING=y``, endpoints
+  by worker address so that shared memory carries the data). Every pending
+  await on the dead peer's endpoint fails with a typed ``UCXError`` within
+  ``KILL_BOUND_S``; a second peer is served without a hitch throughout and
+  afterwards; the dead endpoint's close callback runs once.
+- **Network faults** between this process (root network namespace) and a
+  peer in its own namespace, reached through a router namespace:
+  ``root --veth-- router --veth-- peer``, 10.213.x.0/24 addresses, created
+  and removed by the ``netns`` fixture (skipped where ``ip netns`` does not
+  work). Faults: the link taken down (on the router, or this side's veth),
+  every packet dropped on the router (``tc netem loss 100%``, or a
+  ``pfifo limit 0`` qdisc where netem is not built into the kernel), the
+  peer frozen with SIGSTOP. Dropping on the router matters: a drop in a
+  sender's *own* egress qdisc is "local congestion" to Linux TCP and does
+  not count towards keepalive or user timeouts. With UCX's TCP keepalive
+  tuned (``NET_TUNING``: 1 s idle, 1 s interval, 3 probes) a silent peer is
+  detected within ``NET_BOUND_S``; after the link returns new endpoints
+  work. A frozen peer is alive to the transport: nothing fails, and the
+  traffic resumes after SIGCONT.
+
+Every loop is bounded, every child process is killed and every namespace,
+link and qdisc is removed even when a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import numpy as np
+import pytest
+
+import ucxx
+import ucxx.core
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+# DECISIONS.md: a dead peer must fail pending awaits within 10 s.
+KILL_BOUND_S = 10.0
+# With NET_TUNING, UCX's TCP keepalive declares a silent peer dead after
+# idle + count * interval = 4 s (measured 4.0 s); the bound leaves slack for
+# a loaded machine.
+NET_BOUND_S = 10.0
+NET_TUNING = {
+    "TCP_KEEPIDLE": "1s",
+    "TCP_KEEPINTVL": "1s",
+    "TCP_KEEPCNT": "3",
+    "KEEPALIVE_INTERVAL": "1s",
+}
+# Transport name -> UCX options of both processes.
+FAULT_TRANSPORTS = {
+    "tcp": {"TLS": "tcp"},
+    "shm": {"TLS": "posix,sysv,cma,tcp", "MM_ERROR_HANDLING": "y"},
+}
+N_TRANSFERS = 100
+MAX_SIZE = 4 << 20
+# Over shared memory a peer killed while one of our sends of more than about
+# 500 KB is in flight is never detected (UCX 1.22; see
+# test_shm_peer_killed_during_large_send): the random-kill test keeps its
+# messages below that, the large-send case has its own (xfail) test.
+MAX_SIZE_BY_TRANSPORT = {"tcp": MAX_SIZE, "shm": 256 << 10}
+
+
+# ------------------------------------------------------------------ peer
+# An echo peer using the public API. Environment: UXF_MODE (sockaddr or
+# address), UXF_HOST, UXF_PARENT (the parent's worker address in hex, address
+# mode), UXF_BASE (tag base). Prints "PORT n" (sockaddr) or "ADDR hex"
+# (address), then echoes send_obj messages until killed.
+PEER = r"""
+import asyncio, os, ucxx
+
+MODE, HOST = os.environ["UXF_MODE"], os.environ["UXF_HOST"]
+PARENT, BASE = os.environ["UXF_PARENT"], int(os.environ["UXF_BASE"])
+
+async def echo(ep, kw_in, kw_out):
+    while True:
+        obj = await ep.recv_obj(**kw_in)
+        await ep.send_obj(obj, **kw_out)
+
+async def main():
+    eps = []
+    if MODE == "sockaddr":
+        async def handler(ep):
+            eps.append(ep)
+            try:
+                await echo(ep, {}, {})
+            except ucxx.UCXError as e:
+                print("EPERR", type(e).__name__, flush=True)
+        lst = ucxx.create_listener(handler, host=HOST)
+        print("PORT", lst.port, flush=True)
+    else:
+        ep = await ucxx.create_endpoint_from_worker_address(bytes.fromhex(PARENT))
+        eps.append(ep)
+        print("ADDR", ucxx.get_worker_address().hex(), flush=True)
+        asyncio.ensure_future(echo(ep, {"tag": BASE + 1, "force_tag": True},
+                                   {"tag": BASE + 2, "force_tag": True}))
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def _env(opts: dict, **extra) -> dict:
+    env = dict(os.environ)
+    for k in list(env):
+        if k.startswith("UCX_"):
+            del env[k]
+    for k, v in opts.items():
+        env[f"UCX_{k}"] = str(v)
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+class Remote:
+    """This side of one echo peer: its process and an Endpoint to it."""
+
+    def __init__(self, peer, ep, base: int | None):
+        self.peer = peer
+        self.ep = ep
+        if base is None:
+            self.kw_out = self.kw_in = {}
+        else:
+            self.kw_out = {"tag": base + 1, "force_tag": True}
+            self.kw_in = {"tag": base + 2, "force_tag": True}
+
+    async def roundtrip(self, data, errors: list | None = None) -> None:
+        """Echo ``data`` through the peer. The receive is posted before the
+        send and both are awaited to the end: when a fault strikes, each
+        must fail on its own (a hang shows as the caller's timeout). Their
+        exceptions are appended to ``errors``; the first is raised."""
+        r = asyncio.ensure_future(self.ep.recv_obj(**self.kw_in))
+        s = asyncio.ensure_future(self.ep.send_obj(data, **self.kw_out))
+        res = await asyncio.gather(s, r, return_exceptions=True)
+        excs = [x for x in res if isinstance(x, BaseException)]
+        if errors is not None:
+            errors.extend(excs)
+        if excs:
+            raise excs[0]
+        got = res[1]
+        assert len(got) == len(data)
+        assert hashlib.blake2b(got).digest() == hashlib.blake2b(data).digest()
+
+
+async def start_remote(run_peer, mode: str, opts: dict, base: int,
+                       host="127.0.0.1", netns: str | None = None,
+                       extra_env: dict | None = None) -> Remote:
+    parent = ucxx.get_worker_address().hex() if mode == "address" else "-"
+    env = _env(opts, UXF_MODE=mode, UXF_HOST=host, UXF_PARENT=parent, UXF_BASE=base,
+               **(extra_env or {}))
+    if netns is None:
+        peer = run_peer(PEER, env=env)
+    else:
+        peer = _run_in_netns(netns, env)
+    if mode == "sockaddr":
+        port = int(await peer.expect("PORT"))
+        ep = await ucxx.create_endpoint(host, port)
+        return Remote(peer, ep, None)
+    addr = bytes.fromhex(await peer.expect("ADDR"))
+    ep = await ucxx.create_endpoint_from_worker_address(addr)
+    return Remote(peer, ep, base)
+
+
+def _run_in_netns(netns, env):
+    """The PEER script in a child process inside network namespace netns
+    (``ip netns exec`` execs it: the child's pid is the interpreter's).
+    Killed by the _kill_extra_peers fixture."""
+    from conftest import Peer
+
+    proc = subprocess.Popen(
+        ["ip", "netns", "exec", netns, sys.executable, "-c", textwrap.dedent(PEER)],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )
+    peer = Peer(proc)
+    _EXTRA_PEERS.append(peer)
+    return peer
+
+
+_EXTRA_PEERS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _kill_extra_peers():
+    yield
+    while _EXTRA_PEERS:
+        p = _EXTRA_PEERS.pop()
+        try:
+            os.kill(p.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+        p.close()
+
+
+def sizes_for(rng: random.Random, n: int, max_size: int = MAX_SIZE) -> list[int]:
+    """n sizes, log-uniform over 1 B .. max_size, a few empty messages."""
+    out = []
+    top = max_size.bit_length() - 1
+    for _ in range(n):
+        if rng.random() < 0.05:
+            out.append(0)
+        else:
+            out.append(min(max_size, int(2 ** rng.uniform(0, top))))
+    return out
+
+
+def _payload(rng: random.Random, n: int):
+    return np.frombuffer(rng.randbytes(min(n, 4096)) * (n // 4096 + 1), np.uint8)[:n].copy()
+
+
+@pytest.fixture
+def fault_transport(request):
+    name = request.param
+    ucxx.reset()
+    ucxx.init(options=FAULT_TRANSPORTS[name])
+    yield name
+    ctx = ucxx.core._ctx
+    if ctx is not None:
+        for o in ctx.live_objects():
+            o.abort() if hasattr(o, "abort") else o.close()
+    ucxx.reset()
+
+
+# ------------------------------------------------------------- peer killed
+KILL_SEEDS = [1, 2, 3, 4]
+KILL_TIMES: dict[str, list[float]] = {}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault_transport", list(FAULT_TRANSPORTS), indirect=True)
+@pytest.mark.parametrize("seed", KILL_SEEDS)
+async def test_peer_killed_at_random_point(run_peer, fault_transport, seed):
+    opts = FAULT_TRANSPORTS[fault_transport]
+    mode = "sockaddr" if fault_transport == "tcp" else "address"
+    rng = random.Random(seed)
+    victim = await start_remote(run_peer, mode, opts, base=0x1000)
+    survivor = await start_remote(run_peer, mode, opts, base=0x2000)
+    closed = []
+    victim.ep.set_close_callback(lambda: closed.append(time.monotonic()))
+
+    max_size = MAX_SIZE_BY_TRANSPORT[fault_transport]
+    sizes = sizes_for(rng, N_TRANSFERS, max_size)
+    kill_at = rng.randrange(N_TRANSFERS)
+    kill_delay = rng.choice([0.0, rng.uniform(0, 0.002), rng.uniform(0, 0.02)])
+    loop = asyncio.get_running_loop()
+    t_kill = []
+
+    def kill():
+        os.kill(victim.peer.pid, signal.SIGKILL)
+        t_kill.append(time.monotonic())
+        # Reap it at once: over shared memory UCX checks the peer by pid and
+        # start time, and a zombie still has both (an unreaped child is
+        # "alive" to UCX; a real peer is reaped by its own parent).
+        victim.peer.proc.wait(5)
+
+    # A receive that nothing will ever match: pending from start to end.
+    standing = asyncio.ensure_future(victim.ep.recv(bytearray(8), tag=0xDEAD))
+
+    pending_errors: list = []
+    progress = {"transfer": -1}
+
+    async def victim_traffic():
+        # If the kill lands after a transfer completed, the next one fails.
+        for i, n in enumerate(sizes):
+            progress["transfer"] = i
+            if i == kill_at:
+                loop.call_later(kill_delay, kill)
+            await victim.roundtrip(_payload(rng, n), pending_errors)
+        raise AssertionError("all transfers finished: the kill never hit")
+
+    survivor_done = []
+
+    async def survivor_traffic():
+        # Runs alongside the victim's traffic and 20 round trips past the kill.
+        srng = random.Random(seed + 1000)
+        after_kill = 0
+        while after_kill < 20:
+            await survivor.roundtrip(_payload(srng, min(max_size, int(2 ** srng.uniform(0, 20)))))
+            survivor_done.append(1)
+            if t_kill:
+                after_kill += 1
+
+    vt = asyncio.ensure_future(victim_traffic())
+    st = asyncio.ensure_future(survivor_traffic())
+    try:
+        err = None
+        try:
+            await asyncio.wait_for(asyncio.shield(vt), 60)
+        except ucxx.UCXError as e:
+            err = e
+        except asyncio.TimeoutError:
+            raise AssertionError(
+                f"victim traffic hung at transfer {progress['transfer']} "
+                f"(size {sizes[progress['transfer']]}); kill at {kill_at} "
+                f"+{kill_delay * 1e3:.1f} ms, killed: {bool(t_kill)} "
+                f"({time.monotonic() - t_kill[0] if t_kill else 0:.1f} s ago), "
+                f"endpoint {victim.ep!r}, close callbacks {len(closed)}, "
+                f"standing receive done: {standing.done()}") from None
+        t_err = time.monotonic()
+        assert t_kill, f"transfers failed before the kill: {err!r}"
+        assert err is not None
+        for e in pending_errors:
+            assert isinstance(e, ucxx.UCXError), f"{e!r}"
+            assert type(e) is not ucxx.UCXError, f"untyped error {e!r}"
+        dt = t_err - t_kill[0]
+        assert dt < KILL_BOUND_S, f"error {dt:.2f} s after the kill"
+        # The standing receive fails too, within the same bound.
+        with pytest.raises(ucxx.UCXError) as ei:
+            await asyncio.wait_for(standing, KILL_BOUND_S - dt + 0.5)
+        assert type(ei.value) is not ucxx.UCXError
+        dt_all = time.monotonic() - t_kill[0]
+        # New operations on the dead endpoint fail at once.
+        t0 = time.monotonic()
+        with pytest.raises(ucxx.UCXError):
+            await asyncio.wait_for(victim.ep.send(b"late"), KILL_BOUND_S)
+        with pytest.raises(ucxx.UCXError):
+            await asyncio.wait_for(victim.ep.recv(bytearray(4), tag=7), KILL_BOUND_S)
+        assert time.monotonic() - t0 < 1.0
+        # Close callback: once.
+        deadline = time.monotonic() + KILL_BOUND_S
+        while not closed and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert len(closed) == 1
+        # The survivor kept being served and still is.
+        await asyncio.wait_for(st, 60)
+        assert len(survivor_done) >= 20
+        await survivor.roundtrip(b"still here")
+        KILL_TIMES.setdefault(fault_transport, []).append(dt_all)
+        print(f"\n[{fault_transport} seed {seed}] kill at transfer {kill_at} "
+              f"(+{kill_delay * 1e3:.1f} ms): first error after {dt * 1e3:.0f} ms "
+              f"({type(err).__name__}), all pending failed after {dt_all * 1e3:.0f} ms")
+    finally:
+        for t in (vt, st, standing):
+            t.cancel()
+        await asyncio.gather(vt, st, standing, return_exceptions=True)
+        victim.ep.abort()
+        await survivor.ep.close()
+    assert len(closed) == 1  # not called again by close
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason=(
+    "UCX 1.22 shared memory (posix/sysv, MM_ERROR_HANDLING=y): a peer killed "
+    "while a send of ~600 KB or more to it is in flight is never reported; "
+    "the send and every receive on that endpoint hang (other endpoints of the "
+    "worker are still checked). See docs/RELIABILITY.md"))
+@pytest.mark.parametrize("fault_transport", ["shm"], indirect=True)
+async def test_shm_peer_killed_during_large_send(run_peer, fault_transport):
+    """Kill the echo peer right after posting an 800 KB send_obj that it
+    waits for (and the receive of its echo) over shared memory: both must
+    fail within KILL_BOUND_S."""
+    opts = FAULT_TRANSPORTS[fault_transport]
+    for attempt in range(2):
+        victim = await start_remote(run_peer, "address", opts, base=0x3000 + 16 * attempt)
+        await victim.roundtrip(b"warm-up")
+        recv = asyncio.ensure_future(victim.ep.recv_obj(**victim.kw_in))
+        send = asyncio.ensure_future(victim.ep.send_obj(np.ones(800_000, np.uint8),
+                                                        **victim.kw_out))
+        await asyncio.sleep(0)
+        t0 = time.monotonic()
+        os.kill(victim.peer.pid, signal.SIGKILL)
+        victim.peer.proc.wait(5)
+        try:
+            done, pending = await asyncio.wait([recv, send], timeout=KILL_BOUND_S)
+            assert not pending, (
+                f"attempt {attempt}: {len(pending)} operation(s) still pending "
+                f"{time.monotonic() - t0:.1f} s after the kill; {victim.ep!r}")
+            # The send may have left before the kill; the receive must fail.
+            assert isinstance(recv.exception(), ucxx.UCXError), repr(recv.exception())
+            assert send.exception() is None or isinstance(send.exception(), ucxx.UCXError)
+        finally:
+            for t in (recv, send):
+                t.cancel()
+            await asyncio.gather(recv, send, return_exceptions=True)
+            victim.ep.abort()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault_transport", ["tcp"], indirect=True)
+async def test_listener_keeps_serving_after_client_killed(run_peer, fault_transport):
+    """This process is the server: a client killed mid-transfer fails the
+    server's pending operations; the listener accepts new clients."""
+    accepted: asyncio.Queue = asyncio.Queue()
+    lst = ucxx.create_listener(accepted.put_nowait, host="127.0.0.1")
+    client = r"""
+import asyncio, os, ucxx
+async def main():
+    ep = await ucxx.create_endpoint("127.0.0.1", int(os.environ["UXF_PORT"]))
+    print("CONNECTED", flush=True)
+    while True:
+        obj = await ep.recv_obj()
+        await ep.send_obj(obj)
+asyncio.run(main())
+"""
+    env = _env(FAULT_TRANSPORTS["tcp"], UXF_PORT=lst.port)
+    try:
+        for round_ in range(3):
+            peer = run_peer(client, env=env)
+            await peer.expect("CONNECTED")
+            sep = await asyncio.wait_for(accepted.get(), 30)
+            data = np.arange(1 << 20, dtype=np.uint8)
+            await sep.send_obj(data)
+            assert bytes(await sep.recv_obj()) == data.tobytes()
+            if round_ == 2:
+                await sep.close()
+                break
+            pending = asyncio.ensure_future(sep.recv_obj())
+            await asyncio.sleep(0.05)
+            t0 = time.monotonic()
+            os.kill(peer.pid, signal.SIGKILL)
+            peer.proc.wait(5)
+            with pytest.raises(ucxx.UCXError) as ei:
+                await asyncio.wait_for(pending, KILL_BOUND_S)
+            assert type(ei.value) is not ucxx.UCXError
+            assert time.monotonic() - t0 < KILL_BOUND_S
+            sep.abort()
+    finally:
+        lst.close()
+
+
+# ------------------------------------------------------------ network faults
+def _sh(*args, check=True, timeout=20):
+    r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    if check and r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
+    return r
+
+
+class Net:
+    """root ns (10.213.N.1) --veth-- router ns --veth-- peer ns (10.213.M.2)."""
+
+    def __init__(self):
+        tag = uuid.uuid4().hex[:6]
+        self.router = f"uxr{tag}"
+        self.peer_ns = f"uxp{tag}"
+        self.root_if = f"uxa{tag}"  # in the root namespace
+        self.r0 = f"uxr0{tag}"      # router side towards root
+        self.r1 = f"uxr1{tag}"      # router side towards the peer
+        self.p0 = f"uxp0{tag}"      # in the peer namespace
+        n = random.randrange(16, 250)
+        self.root_ip = f"10.213.{n}.1"
+        self.r0_ip = f"10.213.{n}.2"
+        self.r1_ip = f"10.214.{n}.1"
+        self.peer_ip = f"10.214.{n}.2"
+        self.root_net = f"10.214.{n}.0/24"
+        self.drop_kind: str | None = None
+
+    def ns(self, name, *args, check=True):
+        return _sh("ip", "netns", "exec", name, *args, check=check)
+
+    def up(self):
+        _sh("ip", "netns", "add", self.router)
+        _sh("ip", "netns", "add", self.peer_ns)
+        _sh("ip", "link", "add", self.root_if, "type", "veth", "peer", "name", self.r0,
+            "netns", self.router)
+        _sh("ip", "link", "add", self.p0, "netns", self.peer_ns, "type", "veth",
+            "peer", "name", self.r1, "netns", self.router)
+        _sh("ip", "addr", "add", f"{self.root_ip}/24", "dev", self.root_if)
+        _sh("ip", "link", "set", self.root_if, "up")
+        _sh("ip", "route", "add", self.root_net, "via", self.r0_ip)
+        self.ns(self.router, "ip", "addr", "add", f"{self.r0_ip}/24", "dev", self.r0)
+        self.ns(self.router, "ip", "addr", "add", f"{self.r1_ip}/24", "dev", self.r1)
+        self.ns(self.router, "ip", "link", "set", self.r0, "up")
+        self.ns(self.router, "ip", "link", "set", self.r1, "up")
+        self.ns(self.router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
+        self.ns(self.peer_ns, "ip", "link", "set", "lo", "up")
+        self.ns(self.peer_ns, "ip", "addr", "add", f"{self.peer_ip}/24", "dev", self.p0)
+        self.ns(self.peer_ns, "ip", "link", "set", self.p0, "up")
+        self.ns(self.peer_ns, "ip", "route", "add", "default", "via", self.r1_ip)
+
+    def down(self):
+        # Deleting one end of a veth pair deletes both; deleting a
+        # namespace deletes the links inside it.
+        _sh("ip", "link", "del", self.root_if, check=False)
+        _sh("ip", "netns", "del", self.peer_ns, check=False)
+        _sh("ip", "netns", "del", self.router, check=False)
+
+    # faults
+    def drop_all(self):
+        """Drop every packet the router forwards, both directions."""
+        for dev in (self.r0, self.r1):
+            r = self.ns(self.router, "tc", "qdisc", "add", "dev", dev, "root", "netem",
+                        "loss", "100%", check=False)
+            if r.returncode == 0:
+                self.drop_kind = "netem loss 100%"
+                continue
+            self.ns(self.router, "tc", "qdisc", "add", "dev", dev, "root", "pfifo", "limit", "0")
+            self.drop_kind = "pfifo limit 0"
+
+    def undrop(self):
+        for dev in (self.r0, self.r1):
+            self.ns(self.router, "tc", "qdisc", "del", "dev", dev, "root", check=False)
+
+    def link(self, where: str, state: str):
+        if where == "router":
+            self.ns(self.router, "ip", "link", "set", self.r1, state)
+        else:
+            _sh("ip", "link", "set", self.root_if, state)
+            if state == "up":
+                _sh("ip", "route", "replace", self.root_net, "via", self.r0_ip)
+
+
+def _netns_unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    probe = f"uxprobe{os.getpid()}"
+    try:
+        r = _sh("ip", "netns", "add", probe, check=False)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"ip netns unavailable: {e}"
+    if r.returncode != 0:
+        return f"ip netns add failed: {r.stderr.strip()}"
+    try:
+        r = _sh("ip", "link", "add", f"uxq{os.getpid()}", "type", "veth", "peer", "name",
+                f"uxq{os.getpid()}b", "netns", probe, check=False)
+        if r.returncode != 0:
+            return f"veth pairs unavailable: {r.stderr.strip()}"
+        _sh("ip", "link", "del", f"uxq{os.getpid()}", check=False)
+    finally:
+        _sh("ip", "netns", "del", probe, check=False)
+    return None
+
+
+@pytest.fixture
+def netns():
+    why = _netns_unavailable()
+    if why:
+        pytest.skip(why)
+    net = Net()
+    try:
+        net.up()
+        yield net
+    finally:
+        net.down()
+
+
+# UCX reads the routing table once per process (ucs_netlink route cache,
+# keyed by interface index) and never again: links and routes created after
+# a process's first UCX connection are invisible to it ("no route to ...",
+# UCXUnreachableError). So this side of every network test runs in a fresh
+# child process (CLIENT), started after the namespaces exist, driven over
+# stdin/stdout; it reports CLOCK_MONOTONIC times, which this process
+# compares with the time it injected the fault.
+CLIENT = r"""
+import asyncio, json, os, sys, time
+import numpy as np
+import ucxx
+
+def say(*words):
+    print("@@", *words, flush=True)
+
+class Stdin:
+    def __init__(self):
+        self.buf = b""
+    async def readline(self):
+        loop = asyncio.get_running_loop()
+        while b"\n" not in self.buf:
+            fut = loop.create_future()
+            loop.add_reader(0, lambda: fut.done() or fut.set_result(None))
+            try:
+                await fut
+            finally:
+                loop.remove_reader(0)
+            chunk = os.read(0, 4096)
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode().split()
+
+async def roundtrip(ep, n):
+    data = np.arange(n, dtype=np.uint64).view(np.uint8)[:n] if n else b""
+    r = asyncio.ensure_future(ep.recv_obj())
+    s = asyncio.ensure_future(ep.send_obj(data))
+    res = await asyncio.gather(s, r, return_exceptions=True)
+    for x in res:
+        if isinstance(x, BaseException):
+            raise x
+    assert bytes(res[1]) == bytes(data)
+
+async def main():
+    host, port = os.environ["UXF_PEER"], int(os.environ["UXF_PORT"])
+    stdin = Stdin()
+    ep = None
+    pending = {}
+    failed = {}
+    closed = []
+    while True:
+        cmd = await stdin.readline()
+        if cmd[0] == "connect":
+            ep = await ucxx.create_endpoint(host, port)
+            ep.set_close_callback(lambda: closed.append(time.monotonic()))
+            for n in (0, 1, 1000, 100_000, 1 << 20):
+                await roundtrip(ep, n)
+            say("RESULT", json.dumps({}))
+        elif cmd[0] == "pending":
+            def done(name, t):
+                e = t.exception() if not t.cancelled() else None
+                failed[name] = (type(e).__name__ if e else None, time.monotonic(),
+                                isinstance(e, ucxx.UCXError))
+            pending["recv"] = asyncio.ensure_future(ep.recv(bytearray(16), tag=0xBEEF))
+            if cmd[1] == "active":
+                pending["transfer"] = asyncio.ensure_future(roundtrip(ep, int(cmd[2])))
+            for name, t in pending.items():
+                t.add_done_callback(lambda t, name=name: done(name, t))
+            await asyncio.sleep(0.02)
+            say("RESULT", json.dumps({}))
+        elif cmd[0] == "wait":
+            # wait up to cmd[1] s for every pending operation to end
+            deadline = time.monotonic() + float(cmd[1])
+            while len(failed) < len(pending) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            late = None
+            if len(failed) == len(pending):
+                try:
+                    await ep.send(b"late")
+                except ucxx.UCXError as e:
+                    late = type(e).__name__
+            say("RESULT", json.dumps({"failed": failed, "pending": len(pending),
+                                      "closed": closed, "alive": ep.alive,
+                                      "late_send": late}))
+        elif cmd[0] == "resume":
+            # the in-flight transfer must now complete, and more after it
+            await asyncio.wait_for(pending["transfer"], float(cmd[1]))
+            for n in (1, 1 << 20):
+                await roundtrip(ep, n)
+            pending["recv"].cancel()
+            await asyncio.gather(pending["recv"], return_exceptions=True)
+            say("RESULT", json.dumps({"closed": closed, "alive": ep.alive}))
+        elif cmd[0] == "recover":
+            # a new endpoint to the same peer, retried until cmd[1] s passed
+            deadline = time.monotonic() + float(cmd[1])
+            tries = 0
+            while True:
+                tries += 1
+                try:
+                    ep2 = await ucxx.create_endpoint(host, port, connect_timeout=2)
+                    await roundtrip(ep2, 4 << 20)
+                    break
+                except ucxx.UCXError:
+                    if time.monotonic() > deadline:
+                        raise
+                    await asyncio.sleep(0.2)
+            await ep2.close()
+            say("RESULT", json.dumps({"tries": tries}))
+        elif cmd[0] == "quit":
+            for t in pending.values():
+                t.cancel()
+            await asyncio.gather(*pending.values(), return_exceptions=True)
+            if ep is not None:
+                ep.abort()
+            say("RESULT", json.dumps({}))
+            return
+
+try:
+    asyncio.run(main())
+except BaseException as e:
+    import traceback
+    say("FAIL", repr(e), traceback.format_exc().replace("\n", " | "))
+    sys.exit(1)
+"""
+
+
+class Client:
+    """The CLIENT script in a fresh child process (root namespace)."""
+
+    def __init__(self, net: Net, port: int, tuning: dict):
+        opts = {"TLS": "tcp", "NET_DEVICES": net.root_if, **tuning}
+        env = _env(opts, UXF_PEER=net.peer_ip, UXF_PORT=port)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CLIENT], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+        from conftest import Peer
+
+        self.peer = Peer(self.proc)
+        _EXTRA_PEERS.append(self.peer)
+
+    async def call(self, *words, timeout: float = 60.0) -> dict:
+        import json
+
+        self.proc.stdin.write((" ".join(str(w) for w in words) + "\n").encode())
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            line = await self.peer.readline(max(0.1, deadline - time.monotonic()))
+            if line.startswith("@@ FAIL"):
+                raise AssertionError(f"client failed on {words}: {line}")
+            if line.startswith("@@ RESULT"):
+                return json.loads(line[len("@@ RESULT"):])
+
+
+@pytest.fixture
+def net_peer(netns):
+    """``start(tuning=NET_TUNING) -> (peer, port)``: the echo peer in the
+    peer namespace, UCX over tcp on its veth only."""
+
+    async def start(tuning=NET_TUNING):
+        opts = {"TLS": "tcp", "NET_DEVICES": netns.p0, **tuning}
+        env = _env(opts, UXF_MODE="sockaddr", UXF_HOST=netns.peer_ip, UXF_PARENT="-",
+                   UXF_BASE=0)
+        peer = _run_in_netns(netns.peer_ns, env)
+        port = int(await peer.expect("PORT"))
+        return peer, port
+
+    return start
+
+
+ACTIVE_BYTES = 64 << 20
+NET_TIMES: dict[str, float] = {}
+
+
+async def _fault_scenario(net, start_peer, inject, activity, bound, tuning=NET_TUNING,
+                          undo=None, recover=True) -> float:
+    """Connect, leave operations pending (a receive; with activity "active"
+    also a 64 MiB echo in flight), inject the fault, check that every pending
+    operation fails with a typed UCXError within ``bound`` and the close
+    callback runs once; undo the fault; a new endpoint then works.
+    Returns the seconds from the fault to the last failure."""
+    peer, port = await start_peer(tuning)
+    client = Client(net, port, tuning)
+    await client.call("connect")
+    await client.call("pending", activity, ACTIVE_BYTES)
+    t0 = time.monotonic()
+    inject()
+    try:
+        res = await client.call("wait", bound, timeout=bound + 30)
+    finally:
+        if undo is not None:
+            undo()
+    failed = res["failed"]
+    if len(failed) != res["pending"]:
+        sockets = _sh("ss", "-tinoe", "dst", net.peer_ip, check=False).stdout
+        raise AssertionError(
+            f"{res['pending'] - len(failed)} operation(s) still pending {bound} s after "
+            f"the fault: {res}; this side's sockets:\n{sockets}")
+    for name, (etype, _t, is_ucx) in failed.items():
+        assert is_ucx and etype != "UCXError", f"{name}: {etype}"
+    dt = max(t for _e, t, _u in failed.values()) - t0
+    assert dt < bound
+    assert len(res["closed"]) == 1, res
+    assert res["late_send"] is not None, "a send on the failed endpoint did not raise"
+    if recover:
+        await client.call("recover", 30)
+    await client.call("quit")
+    return dt
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("activity", ["active", "idle"])
+@pytest.mark.parametrize("where", ["router", "local"])
+async def test_link_down(netns, net_peer, where, activity):
+    net = netns
+    dt = await _fault_scenario(net, net_peer, lambda: net.link(where, "down"), activity,
+                               NET_BOUND_S, undo=lambda: net.link(where, "up"))
+    NET_TIMES[f"link down ({where}, {activity})"] = dt
+    print(f"\nlink down ({where}, {activity}): all pending failed after {dt:.2f} s")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("activity", ["active", "idle"])
+async def test_packets_dropped(netns, net_peer, activity):
+    net = netns
+    dt = await _fault_scenario(net, net_peer, net.drop_all, activity, NET_BOUND_S,
+                               undo=net.undrop)
+    NET_TIMES[f"100% loss ({net.drop_kind}, {activity})"] = dt
+    print(f"\n100% loss via {net.drop_kind} ({activity}): all pending failed after {dt:.2f} s")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.xfail(strict=True, reason=(
+    "with UCX's default TCP keepalive (10 s idle, 2 s interval, 9 probes) a "
+    "silent peer is detected after 18-28 s; the package sets only "
+    "KEEPALIVE_INTERVAL=1s, which the tcp transport does not use "
+    "(docs/RELIABILITY.md, 'Silent peer with default settings')"))
+async def test_silent_peer_default_settings_within_budget(netns, net_peer):
+    """DECISIONS.md: a dead peer (power loss included) fails pending awaits
+    within 10 s. A vanished host is a peer whose packets stop: emulated by
+    dropping everything on the router, with the package's defaults."""
+    net = netns
+    dt = await _fault_scenario(net, net_peer, net.drop_all, "idle", 40.0, tuning={},
+                               undo=net.undrop, recover=False)
+    NET_TIMES["100% loss, default settings (idle)"] = dt
+    print(f"\ndefault settings, idle: error after {dt:.2f} s")
+    assert dt < KILL_BOUND_S, f"silent peer detected after {dt:.1f} s"
+
+
+@pytest.mark.timeout(120)
+async def test_peer_frozen_sigstop(netns, net_peer):
+    """A stopped process is alive to the transport (its kernel still answers
+    TCP keepalive probes): nothing fails while it is frozen (three times the
+    keepalive bound), and after SIGCONT the transfer that was in flight
+    completes and the endpoint keeps working."""
+    net = netns
+    peer, port = await net_peer()
+    client = Client(net, port, NET_TUNING)
+    await client.call("connect")
+    os.kill(peer.pid, signal.SIGSTOP)
+    try:
+        await client.call("pending", "active", 8 << 20)
+        res = await client.call("wait", 12, timeout=60)
+        assert res["failed"] == {} and res["closed"] == [] and res["alive"], res
+    finally:
+        os.kill(peer.pid, signal.SIGCONT)
+    res = await client.call("resume", 30)
+    assert res["closed"] == [] and res["alive"], res
+    await client.call("quit")
