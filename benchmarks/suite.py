@@ -316,12 +316,9 @@ def run_callgrind(args) -> dict:
     import callgrind
 
     n1, n2 = (100, 400) if args.quick else callgrind.DEFAULT_ITERS
-    # py-blocking-1w and batch-single are left out: under valgrind the
-    # one-worker loopback and the 16 KiB single message have been seen to
-    # stall (see docs/BENCHMARKS.md); run them by hand with callgrind.py.
     names = ["py-blocking", "c-blocking"] if args.quick else [
-        "py-blocking", "py-polling", "pub-blocking", "py-blocking-uvloop", "c-blocking",
-        "batch-gather", "batch-sequential", "batch-asyncio"]
+        "py-blocking", "py-polling", "py-blocking-1w", "pub-blocking", "py-blocking-uvloop",
+        "c-blocking", "batch-gather", "batch-sequential", "batch-asyncio", "batch-single"]
     reps = 1 if args.quick else 2
     out = {"iters": [n1, n2], "batch_iters": [40, 160], "repeats": reps, "results": []}
     for v in names:
