@@ -285,6 +285,11 @@ endpoint_check_send(EndpointObject *ep)
     if (ucxx_worker_check(ep->worker) < 0) {
         return -1;
     }
+    /* Closed by the caller first: whatever the peer did afterwards. */
+    if (ep->closed && !ep->peer_closed) {
+        ucxx_raise(st, UCXX_EXC_CLOSE, "Endpoint is closed");
+        return -1;
+    }
     if (ep->error != UCS_OK) {
         ucxx_raise_status(st, ep->error, "endpoint failed");
         return -1;

@@ -925,12 +925,7 @@ async def _(env):
 
 
 @row("send-after-close", "ep.send() after await ep.close() returned (up to 200 connections)",
-     U.UCXCloseError, marks=[pytest.mark.xfail(strict=True, reason=(
-         "racy state after a graceful close: the peer's forced close can reach "
-         "the closing side (error callback, ConnectionReset) just before its own "
-         "abort; endpoint_check_send() tests ep->error before ep->closed, so "
-         "about half the time a send after a completed close() raises "
-         "UCXConnectionResetError instead of UCXCloseError"))])
+     U.UCXCloseError)
 async def _(env):
     accepted: asyncio.Queue = asyncio.Queue()
     lst = ucxx.create_listener(accepted.put_nowait, host=HOST)
