@@ -1,0 +1,77 @@
+"""Fuzz the connection handshake decoder
+(``ucxx/_lib_async/exchange_peer_info.py``: ``unpack``).
+
+    python fuzz/fuzz_handshake.py -runs=100000 [corpus_dir ...]
+
+The input is the peer's message as received. A peer's bytes may only
+produce ``UCXError``; an accepted message must be exactly what ``pack``
+builds from the tags it decoded to (with the flags it carried), and
+``pack``/``unpack`` must round-trip for any tags and flags.
+
+Without arguments, a seed corpus (``seeds()``) is written to a temporary
+directory and used. ``test_one_input`` is importable without atheris.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+try:
+    import atheris
+except ImportError:
+    atheris = None
+
+if atheris is not None:
+    with atheris.instrument_imports(include=["ucxx._lib_async.exchange_peer_info"]):
+        from ucxx._lib_async import exchange_peer_info as hs
+else:
+    from ucxx._lib_async import exchange_peer_info as hs
+
+from ucxx.exceptions import UCXError  # noqa: E402
+
+
+def test_one_input(data: bytes) -> None:
+    try:
+        info = hs.unpack(data)
+    except UCXError:
+        pass
+    else:
+        assert len(data) == hs.MSG_SIZE
+        flags = struct.unpack_from("<H", data, 6)[0]
+        assert hs.pack(info.recv_tag, info.ctrl_tag, flags=flags) == bytes(data)
+        assert info.version == hs.VERSION
+    # Round trip of whatever tags the input spells.
+    if len(data) >= 18:
+        a, b = struct.unpack_from("<QQ", data, 0)
+        f = data[16] | (data[17] << 8)
+        back = hs.unpack(hs.pack(a, b, flags=f))
+        assert (back.recv_tag, back.ctrl_tag) == (a, b)
+
+
+def seeds() -> list[bytes]:
+    good = hs.pack(0x1234, 0x5678)
+    return [good, hs.pack(2 ** 64 - 1, 0, flags=7), good[:20], good + b"x",
+            b"X" * hs.MSG_SIZE, hs.pack(1, 2, version=2), good[:-1] + b"\0"]
+
+
+def main(argv):
+    if atheris is None:
+        sys.exit("atheris is not installed: pip install atheris")
+    if not any(not a.startswith("-") for a in argv[1:]):
+        corpus = tempfile.mkdtemp(prefix="ucxx-fuzz-handshake-")
+        for i, s in enumerate(seeds()):
+            with open(os.path.join(corpus, f"seed{i}"), "wb") as f:
+                f.write(s)
+        argv = argv + [corpus]
+    atheris.Setup(argv, test_one_input)
+    atheris.Fuzz()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
