@@ -166,16 +166,12 @@ am_fetch(EndpointObject *ep, ucxx_am_msg *m, PyObject *obj)
     WorkerObject *w = ep->worker;
     ucp_request_param_t param;
     ucs_status_ptr_t sp;
-    RequestObject *r = ucxx_request_new(w, ep, UCXX_REQ_AM_DATA, 1);
+    RequestObject *r = ucxx_request_with_buffer(w, ep, UCXX_REQ_AM_DATA, obj,
+                                                1);
 
     if (r == NULL) {
         return -1;
     }
-    if (ucxx_buf_get(ucxx_state_of((PyObject *)ep), obj, 1, &r->buf1) < 0) {
-        Py_DECREF(r);
-        return -1;
-    }
-    r->nbufs = 1;
     r->result = Py_NewRef(obj);
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                          UCP_OP_ATTR_FIELD_USER_DATA |
@@ -271,15 +267,10 @@ ucxx_am_send(EndpointObject *ep, PyObject *buf)
         return ucxx_raise(ucxx_state_of((PyObject *)ep), UCXX_EXC_UNSUPPORTED,
                           "the context was created without FEATURE_AM");
     }
-    r = ucxx_request_new(w, ep, UCXX_REQ_AM_SEND, 1);
+    r = ucxx_request_with_buffer(w, ep, UCXX_REQ_AM_SEND, buf, 0);
     if (r == NULL) {
         return NULL;
     }
-    if (ucxx_buf_get(ucxx_state_of((PyObject *)ep), buf, 0, &r->buf1) < 0) {
-        Py_DECREF(r);
-        return NULL;
-    }
-    r->nbufs = 1;
     hdr = (uint8_t)r->buf1.mem_type;
     param.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK |
                          UCP_OP_ATTR_FIELD_USER_DATA |

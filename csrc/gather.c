@@ -98,9 +98,8 @@ ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag, int recv)
         r->first_error != UCS_ERR_MESSAGE_TRUNCATED) {
         ucxx_request_cancel_ucx(r, r->first_error);
     }
-    if (recv && (ep->error != UCS_OK || ep->peer_closed) && r->npending) {
-        ucxx_request_cancel_ucx(r, ep->error != UCS_OK ? ep->error
-                                                       : UCS_ERR_CANCELED);
+    if (recv) {
+        ucxx_request_fail_if_dead(r, ep);
     }
     ucxx_request_finish_posting(r);
     ucxx_worker_dispatch(w);

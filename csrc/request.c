@@ -298,25 +298,51 @@ param_init(ucp_request_param_t *p, RequestObject *r, ucxx_op *op,
     p->memory_type = mem_type;
 }
 
-PyObject *
-ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
-                       ucp_tag_t tag, ucp_tag_t mask)
+/* A one-operation Request holding `buf` (acquired before anything is
+ * posted, so bad input raises first). */
+RequestObject *
+ucxx_request_with_buffer(WorkerObject *w, EndpointObject *ep, int kind,
+                         PyObject *buf, int writable)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
-    ucp_request_param_t param;
-    ucp_tag_recv_info_t info;
-    ucs_status_ptr_t sp;
-    RequestObject *r = ucxx_request_new(w, ep, UCXX_REQ_RECV, 1);
+    RequestObject *r = ucxx_request_new(w, ep, kind, 1);
 
     if (r == NULL) {
         return NULL;
     }
-    if (ucxx_buf_get(st, buf, 1, &r->buf1) < 0) {
+    if (ucxx_buf_get(ucxx_state_of((PyObject *)w), buf, writable,
+                     &r->buf1) < 0) {
         Py_DECREF(r);
         return NULL;
     }
     r->nbufs = 1;
     r->op1.expected = r->buf1.len;
+    return r;
+}
+
+/* A receive on a failed (or peer-closed) endpoint that did not match a
+ * message that had already arrived can never complete: fail it now. */
+void
+ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep)
+{
+    if (ep != NULL && (ep->error != UCS_OK || ep->peer_closed) &&
+        r->npending) {
+        ucxx_request_cancel_ucx(r, ep->error != UCS_OK ? ep->error
+                                                       : UCS_ERR_CANCELED);
+    }
+}
+
+PyObject *
+ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
+                       ucp_tag_t tag, ucp_tag_t mask)
+{
+    ucp_request_param_t param;
+    ucp_tag_recv_info_t info;
+    ucs_status_ptr_t sp;
+    RequestObject *r = ucxx_request_with_buffer(w, ep, UCXX_REQ_RECV, buf, 1);
+
+    if (r == NULL) {
+        return NULL;
+    }
     param_init(&param, r, &r->op1, r->buf1.mem_type);
     param.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
     param.cb.recv = ucxx_recv_cb;
@@ -329,13 +355,7 @@ ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
         r->length = info.length;
     }
     ucxx_request_track(r, &r->op1, sp);
-    /* A receive on a failed endpoint that did not match a message that had
-     * already arrived can never complete: fail it with the peer's error. */
-    if (ep != NULL && (ep->error != UCS_OK || ep->peer_closed) &&
-        r->npending) {
-        ucxx_request_cancel_ucx(r, ep->error != UCS_OK ? ep->error
-                                                       : UCS_ERR_CANCELED);
-    }
+    ucxx_request_fail_if_dead(r, ep);
     ucxx_request_finish_posting(r);
     ucxx_worker_dispatch(w);
     ucxx_unlock(w);
@@ -346,19 +366,13 @@ PyObject *
 ucxx_request_post_send(EndpointObject *ep, PyObject *buf, ucp_tag_t tag)
 {
     WorkerObject *w = ep->worker;
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
     ucp_request_param_t param;
     ucs_status_ptr_t sp;
-    RequestObject *r = ucxx_request_new(w, ep, UCXX_REQ_SEND, 1);
+    RequestObject *r = ucxx_request_with_buffer(w, ep, UCXX_REQ_SEND, buf, 0);
 
     if (r == NULL) {
         return NULL;
     }
-    if (ucxx_buf_get(st, buf, 0, &r->buf1) < 0) {
-        Py_DECREF(r);
-        return NULL;
-    }
-    r->nbufs = 1;
     param_init(&param, r, &r->op1, r->buf1.mem_type);
     param.cb.send = ucxx_send_cb;
     ucxx_lock(w);
@@ -374,21 +388,15 @@ PyObject *
 ucxx_request_post_stream(EndpointObject *ep, PyObject *buf, int recv)
 {
     WorkerObject *w = ep->worker;
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
     ucp_request_param_t param;
     ucs_status_ptr_t sp;
     size_t length = 0;
-    RequestObject *r = ucxx_request_new(
-        w, ep, recv ? UCXX_REQ_STREAM_RECV : UCXX_REQ_SEND, 1);
+    RequestObject *r = ucxx_request_with_buffer(
+        w, ep, recv ? UCXX_REQ_STREAM_RECV : UCXX_REQ_SEND, buf, recv);
 
     if (r == NULL) {
         return NULL;
     }
-    if (ucxx_buf_get(st, buf, recv, &r->buf1) < 0) {
-        Py_DECREF(r);
-        return NULL;
-    }
-    r->nbufs = 1;
     param_init(&param, r, &r->op1, r->buf1.mem_type);
     ucxx_lock(w);
     if (recv) {

@@ -371,6 +371,10 @@ PyObject *ucxx_progress_new(WorkerObject *w, PyObject *loop);
 extern PyType_Spec ucxx_request_spec;
 RequestObject *ucxx_request_new(WorkerObject *w, EndpointObject *ep,
                                 int kind, Py_ssize_t nops);
+RequestObject *ucxx_request_with_buffer(WorkerObject *w, EndpointObject *ep,
+                                        int kind, PyObject *buf,
+                                        int writable);
+void ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep);
 int ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp);
 void ucxx_request_finish_posting(RequestObject *r);
 void ucxx_request_dispatch(RequestObject *r);
