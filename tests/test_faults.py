@@ -777,6 +777,7 @@ async def _fault_scenario(net, start_peer, inject, activity, bound, tuning=NET_T
     if recover:
         await client.call("recover", 30)
     await client.call("quit")
+    print(f" [errors: {sorted({e for e, _t, _u in failed.values() if e})}]", end="")
     return dt
 
 
