@@ -61,6 +61,9 @@ status_class(ucs_status_t status)
     switch (status) {
     case UCS_ERR_CANCELED:            return UCXX_EXC_CANCELED;
     case UCS_ERR_CONNECTION_RESET:    return UCXX_EXC_CONNECTION_RESET;
+    /* A transfer to a shared-memory peer that died before the keepalive saw
+     * it fails attaching the peer's (removed) segment: the peer is gone. */
+    case UCS_ERR_SHMEM_SEGMENT:       return UCXX_EXC_CONNECTION_RESET;
     case UCS_ERR_MESSAGE_TRUNCATED:   return UCXX_EXC_TRUNCATED;
     case UCS_ERR_NOT_CONNECTED:       return UCXX_EXC_NOT_CONNECTED;
     case UCS_ERR_UNREACHABLE:         return UCXX_EXC_UNREACHABLE;

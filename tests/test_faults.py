@@ -148,6 +148,7 @@ class Remote:
         exceptions are appended to ``errors``; the first is raised."""
         r = asyncio.ensure_future(self.ep.recv_obj(**self.kw_in))
         s = asyncio.ensure_future(self.ep.send_obj(data, **self.kw_out))
+        self.inflight = {"send": s, "recv": r}
         res = await asyncio.gather(s, r, return_exceptions=True)
         excs = [x for x in res if isinstance(x, BaseException)]
         if errors is not None:
@@ -276,13 +277,20 @@ async def test_peer_killed_at_random_point(run_peer, fault_transport, seed):
     progress = {"transfer": -1}
 
     async def victim_traffic():
-        # If the kill lands after a transfer completed, the next one fails.
+        # If the kill lands after a transfer completed, the next one fails;
+        # if it lands after the last, small transfers go on until one fails.
         for i, n in enumerate(sizes):
             progress["transfer"] = i
             if i == kill_at:
                 loop.call_later(kill_delay, kill)
             await victim.roundtrip(_payload(rng, n), pending_errors)
-        raise AssertionError("all transfers finished: the kill never hit")
+        for i in range(N_TRANSFERS, 100_000):
+            progress["transfer"] = i
+            await victim.roundtrip(_payload(rng, 1000), pending_errors)
+            if t_kill and time.monotonic() - t_kill[0] > KILL_BOUND_S:
+                break
+            await asyncio.sleep(0.001)
+        raise AssertionError("transfers still succeed after the kill")
 
     survivor_done = []
 
@@ -305,9 +313,17 @@ async def test_peer_killed_at_random_point(run_peer, fault_transport, seed):
         except ucxx.UCXError as e:
             err = e
         except asyncio.TimeoutError:
+            def state(t):
+                if not t.done():
+                    return "PENDING"
+                return repr(t.exception()) if t.exception() else "done"
+
+            inflight = {k: state(t) for k, t in victim.inflight.items()}
+            i = progress["transfer"]
             raise AssertionError(
-                f"victim traffic hung at transfer {progress['transfer']} "
-                f"(size {sizes[progress['transfer']]}); kill at {kill_at} "
+                f"victim traffic hung at transfer {i} "
+                f"(size {sizes[i] if i < len(sizes) else 1000}; send_obj/recv_obj: "
+                f"{inflight}); kill at {kill_at} "
                 f"+{kill_delay * 1e3:.1f} ms, killed: {bool(t_kill)} "
                 f"({time.monotonic() - t_kill[0] if t_kill else 0:.1f} s ago), "
                 f"endpoint {victim.ep!r}, close callbacks {len(closed)}, "
@@ -390,6 +406,26 @@ async def test_shm_peer_killed_during_large_send(run_peer, fault_transport):
                 t.cancel()
             await asyncio.gather(recv, send, return_exceptions=True)
             victim.ep.abort()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault_transport", ["shm"], indirect=True)
+async def test_shm_send_to_killed_peer_raises_typed_error(run_peer, fault_transport):
+    # A send to a shared-memory peer that died (before the keepalive noticed)
+    # can fail at once with UCS_ERR_SHMEM_SEGMENT (attaching the dead peer's
+    # removed segment); csrc/status.c maps it to UCXConnectionResetError.
+    victim = await start_remote(run_peer, "address", FAULT_TRANSPORTS["shm"], base=0x4000)
+    await victim.roundtrip(b"warm-up")
+    os.kill(victim.peer.pid, signal.SIGKILL)
+    victim.peer.proc.wait(5)
+    try:
+        with pytest.raises(ucxx.UCXError) as ei:
+            await asyncio.wait_for(victim.ep.send(bytes(1000), tag=0x4001, force_tag=True),
+                                   KILL_BOUND_S)
+        assert isinstance(ei.value, (ucxx.UCXConnectionResetError,
+                                     ucxx.UCXEndpointTimeoutError)), repr(ei.value)
+    finally:
+        victim.ep.abort()
 
 
 @pytest.mark.timeout(120)
