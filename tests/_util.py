@@ -262,7 +262,7 @@ async def stress(w, ep, me: int, peer: int, seed: int, nstreams: int, nmsgs: int
     loop = asyncio.get_running_loop()
     rng = random.Random(seed * 7919 + me)
     stats = {"sent": 0, "recvd": 0, "bytes": 0, "armed_posts": 0,
-             "callback_posts": 0, "bursts": 0}
+             "callback_posts": 0, "bursts": 0, "gathers": 0}
 
     async def sender(k):
         tag = stream_tag(me, k)
@@ -272,12 +272,22 @@ async def stress(w, ep, me: int, peer: int, seed: int, nstreams: int, nmsgs: int
             p = rng.random()
             if p < 0.15:
                 stop = min(nmsgs, i + rng.randint(2, 8))
-                reqs = [ep.tag_send(payload(me, k, j, sz[j]), tag) for j in range(i, stop)]
+                bufs = [payload(me, k, j, sz[j]) for j in range(i, stop)]
+                if rng.random() < 0.5:
+                    # the same messages from one C call (one tagged send
+                    # per frame), sometimes posted while the worker is armed
+                    if rng.random() < 0.5:
+                        await _wait_armed(w)
+                        stats["armed_posts"] += w.armed
+                    reqs = [ep.gather_send(bufs, tag, force_tag=True)]
+                    stats["gathers"] += 1
+                else:
+                    reqs = [ep.tag_send(b, tag) for b in bufs]
                 await _yield(rng.randint(0, 2))
                 for r in reqs:
                     await r
                 stats["bursts"] += 1
-                stats["sent"] += len(reqs)
+                stats["sent"] += len(bufs)
                 i = stop
                 continue
             if p < 0.3:
@@ -320,10 +330,27 @@ async def stress(w, ep, me: int, peer: int, seed: int, nstreams: int, nmsgs: int
             p = rng.random()
             if p < 0.15:
                 stop = min(nmsgs, i + rng.randint(2, 8))
-                posted = [(j, *post(j)) for j in range(i, stop)]
-                await _yield(rng.randint(0, 2))
-                for j, buf, req in posted:
-                    await check(j, buf, req)
+                if rng.random() < 0.5:
+                    # one gather_recv for the burst (its frames may come from
+                    # a gather or from single sends: the wire is the same)
+                    if rng.random() < 0.5:
+                        await _wait_armed(w)
+                        stats["armed_posts"] += w.armed
+                    bufs = [bytearray(sz[j]) for j in range(i, stop)]
+                    req = ep.gather_recv(bufs, tag, force_tag=True)
+                    await _yield(rng.randint(0, 2))
+                    assert await req is None
+                    for j, buf in zip(range(i, stop), bufs):
+                        if bytes(buf) != payload(peer, k, j, sz[j]):
+                            raise AssertionError(f"stream {k} msg {j}: wrong payload (gather)")
+                        stats["recvd"] += 1
+                        stats["bytes"] += sz[j]
+                    stats["gathers"] += 1
+                else:
+                    posted = [(j, *post(j)) for j in range(i, stop)]
+                    await _yield(rng.randint(0, 2))
+                    for j, buf, req in posted:
+                        await check(j, buf, req)
                 stats["bursts"] += 1
                 i = stop
                 continue

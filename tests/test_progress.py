@@ -2,7 +2,8 @@
 
 Many tasks post sends and receives at random points relative to the
 progress coroutine: after random numbers of ``sleep(0)``, right after the
-worker armed (before the loop polls), from plain loop callbacks, in bursts;
+worker armed (before the loop polls), from plain loop callbacks, in bursts
+(half of them as one gather_send / gather_recv);
 in one process (two workers on one loop) and across two processes, over tcp
 and shared memory, in blocking mode, polling mode, with a spin budget and in both thread
 modes.
@@ -104,6 +105,7 @@ async def test_stress_two_processes(tl, mode, spin):
             assert s.w.armed
             assert stats["armed_posts"] > 0, "no post landed while the worker was armed"
         assert stats["callback_posts"] > 0 and stats["bursts"] > 0
+        assert stats["gathers"] > 0 and peer["gathers"] > 0
         await s.finish()
     finally:
         s.close()
@@ -155,6 +157,7 @@ async def test_stress_one_process(tl, mode, spin):
         finally:
             probe.close()
         assert sa["recvd"] == sb["recvd"] == NSTREAMS * (NMSGS // 2)
+        assert sa["gathers"] > 0 and sb["gathers"] > 0
         check_probe(probe, mode)
         if mode == "blocking":
             assert p.a.armed and p.b.armed
