@@ -86,7 +86,8 @@ module_exec(PyObject *m)
         add_type(m, &ucxx_endpoint_spec, &st->EndpointType) < 0 ||
         add_type(m, &ucxx_listener_spec, &st->ListenerType) < 0 ||
         add_type(m, &ucxx_request_spec, &st->RequestType) < 0 ||
-        add_type(m, &ucxx_progress_spec, &st->ProgressType) < 0) {
+        add_type(m, &ucxx_progress_spec, &st->ProgressType) < 0 ||
+        add_type(m, &ucxx_loophook_spec, &st->LoopHookType) < 0) {
         return -1;
     }
     if (intern(&st->s_create_future, "create_future") < 0 ||
@@ -99,7 +100,8 @@ module_exec(PyObject *m)
         intern(&st->s_is_closed, "is_closed") < 0 ||
         intern(&st->s_done, "done") < 0 ||
         intern(&st->s_cancel, "cancel") < 0 ||
-        intern(&st->s_blocking, "_asyncio_future_blocking") < 0) {
+        intern(&st->s_blocking, "_asyncio_future_blocking") < 0 ||
+        intern(&st->s_process_events, "_process_events") < 0) {
         return -1;
     }
 
@@ -117,6 +119,19 @@ module_exec(PyObject *m)
         st->InvalidStateError == NULL || st->Handle == NULL ||
         st->BaseEventLoop == NULL) {
         goto error;
+    }
+    {
+        PyObject *sel = PyImport_ImportModule("asyncio.selector_events");
+
+        if (sel == NULL) {
+            goto error;
+        }
+        st->BaseSelectorEventLoop = PyObject_GetAttrString(
+            sel, "BaseSelectorEventLoop");
+        Py_DECREF(sel);
+        if (st->BaseSelectorEventLoop == NULL) {
+            goto error;
+        }
     }
     st->ResourceWarning_ = PyExc_ResourceWarning;
 
@@ -180,6 +195,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->ListenerType);
     Py_VISIT(st->RequestType);
     Py_VISIT(st->ProgressType);
+    Py_VISIT(st->LoopHookType);
     for (int i = 0; i < UCXX_EXC_COUNT; i++) {
         Py_VISIT(st->exc[i]);
     }
@@ -188,6 +204,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->InvalidStateError);
     Py_VISIT(st->Handle);
     Py_VISIT(st->BaseEventLoop);
+    Py_VISIT(st->BaseSelectorEventLoop);
     return 0;
 }
 
@@ -202,6 +219,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->ListenerType);
     Py_CLEAR(st->RequestType);
     Py_CLEAR(st->ProgressType);
+    Py_CLEAR(st->LoopHookType);
     for (int i = 0; i < UCXX_EXC_COUNT; i++) {
         Py_CLEAR(st->exc[i]);
     }
@@ -210,6 +228,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->InvalidStateError);
     Py_CLEAR(st->Handle);
     Py_CLEAR(st->BaseEventLoop);
+    Py_CLEAR(st->BaseSelectorEventLoop);
     Py_CLEAR(st->s_create_future);
     Py_CLEAR(st->s_create_task);
     Py_CLEAR(st->s_set_result);
@@ -221,6 +240,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->s_done);
     Py_CLEAR(st->s_cancel);
     Py_CLEAR(st->s_blocking);
+    Py_CLEAR(st->s_process_events);
     return 0;
 }
 

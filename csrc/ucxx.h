@@ -84,6 +84,7 @@ typedef struct {
     PyTypeObject *ListenerType;
     PyTypeObject *RequestType;
     PyTypeObject *ProgressType;
+    PyTypeObject *LoopHookType;
     PyObject *exc[UCXX_EXC_COUNT];     /* strong: exception classes */
     PyObject *get_running_loop;        /* strong: asyncio.get_running_loop */
     PyObject *CancelledError;          /* strong: asyncio.CancelledError */
@@ -91,6 +92,8 @@ typedef struct {
     PyObject *ResourceWarning_;        /* borrowed: builtin */
     PyObject *Handle;                  /* strong: asyncio.Handle */
     PyObject *BaseEventLoop;           /* strong: asyncio.BaseEventLoop */
+    PyObject *BaseSelectorEventLoop;   /* strong: asyncio.selector_events.
+                                          BaseSelectorEventLoop */
     /* interned method / attribute names */
     PyObject *s_create_future;
     PyObject *s_create_task;
@@ -103,6 +106,7 @@ typedef struct {
     PyObject *s_done;
     PyObject *s_cancel;
     PyObject *s_blocking;              /* "_asyncio_future_blocking" */
+    PyObject *s_process_events;        /* "_process_events" */
 } ucxx_state;
 
 typedef struct WorkerObject WorkerObject;
@@ -186,6 +190,8 @@ struct WorkerObject {
     PyObject *rearm_handle;      /* strong: a reusable asyncio.Handle of
                                     rearm_cb (stdlib loops), or NULL */
     PyObject *ready_append;      /* strong: loop._ready.append, or NULL */
+    PyObject *loop_hook;         /* strong: the loop's LoopHook serving our
+                                    fd (stdlib selector loops), or NULL */
     ucxx_link pending;           /* RequestObject.wlink: requests UCX holds */
     ucxx_link endpoints;         /* EndpointObject.wlink: borrowed, open eps */
     ucxx_link listeners;         /* ListenerObject.wlink: borrowed */
@@ -344,6 +350,13 @@ int ucxx_worker_arm(WorkerObject *w, int drained);
 int ucxx_worker_attach(WorkerObject *w, PyObject *loop);
 void ucxx_worker_detach(WorkerObject *w);
 void ucxx_worker_queue_done(WorkerObject *w, RequestObject *r);
+int ucxx_worker_loop_fd(WorkerObject *w);
+PyObject *ucxx_worker_on_loop_fd(WorkerObject *w);
+
+/* loophook.c */
+extern PyType_Spec ucxx_loophook_spec;
+PyObject *ucxx_loophook_add(PyObject *loop, WorkerObject *w);
+void ucxx_loophook_remove(PyObject *hook, PyObject *loop, WorkerObject *w);
 int ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg);
 
 static inline void

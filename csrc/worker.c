@@ -293,6 +293,27 @@ Worker_rearm(WorkerObject *w, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+/* The fd the loop watches for this worker: the worker's event fd in
+ * blocking mode, the progress thread's notify_fd in the thread modes. */
+int
+ucxx_worker_loop_fd(WorkerObject *w)
+{
+    if (w->mode == UCXX_MODE_BLOCKING) {
+        return w->efd;
+    }
+    return UCXX_THREADED(w) ? w->notify_fd : -1;
+}
+
+/* That fd's reader (see loophook.c). */
+PyObject *
+ucxx_worker_on_loop_fd(WorkerObject *w)
+{
+    if (UCXX_THREADED(w)) {
+        return Worker_on_notify(w, NULL);
+    }
+    return Worker_on_efd(w, NULL);
+}
+
 /* ---- loop attachment ---------------------------------------------------- */
 
 static int
@@ -357,6 +378,13 @@ ucxx_worker_detach(WorkerObject *w)
     Py_CLEAR(w->coro);
     Py_CLEAR(w->rearm_handle);
     Py_CLEAR(w->ready_append);
+    if (w->loop_hook != NULL) {
+        PyObject *hook = w->loop_hook;
+
+        w->loop_hook = NULL;
+        ucxx_loophook_remove(hook, loop, w);
+        Py_DECREF(hook);
+    }
     w->armed = 0;
     w->rearm_scheduled = 0;
     closed = loop_is_closed(st, loop);
@@ -446,6 +474,9 @@ ucxx_worker_attach(WorkerObject *w, PyObject *loop)
             goto error;
         }
         Py_DECREF(res);
+        /* Stdlib selector loops: run the reader as soon as the selector
+         * reports the fd, so woken tasks run in the same iteration. */
+        w->loop_hook = ucxx_loophook_add(loop, w);
     }
     coro = ucxx_progress_new(w, loop);
     if (coro == NULL) {
@@ -1203,6 +1234,7 @@ Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
     Py_VISIT(w->rearm_cb);
     Py_VISIT(w->rearm_handle);
     Py_VISIT(w->ready_append);
+    Py_VISIT(w->loop_hook);
     Py_VISIT(w->am_allocators);
     return 0;
 }
@@ -1217,6 +1249,7 @@ Worker_clear(WorkerObject *w)
     Py_CLEAR(w->rearm_cb);
     Py_CLEAR(w->rearm_handle);
     Py_CLEAR(w->ready_append);
+    Py_CLEAR(w->loop_hook);
     Py_CLEAR(w->am_allocators);
     return 0;
 }

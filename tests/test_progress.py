@@ -230,3 +230,79 @@ async def test_idle_worker_is_armed_and_wakes():
         assert not probe.available or probe.blocking >= 1
     finally:
         loc.close()
+
+
+def _selector_loop_or_skip(loop):
+    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
+        pytest.skip("the loop hook serves stdlib selector loops only")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("mode", ["blocking", "thread", "polling"])
+async def test_loop_hook_installed_shared_and_removed(mode):
+    """Blocking and thread modes serve their fd through one hook per loop
+    (loop._process_events), shared by the loop's workers and removed with
+    the last of them; polling mode has no fd to serve."""
+    loop = asyncio.get_running_loop()
+    _selector_loop_or_skip(loop)
+    p = Pair("tcp", mode)
+    try:
+        p.a.start(loop)
+        p.b.start(loop)
+        hook = vars(loop).get("_process_events")
+        if mode == "polling":
+            assert hook is None
+            return
+        assert type(hook).__name__ == "_LoopHook"
+        assert set(hook.workers) == {p.a, p.b}
+        await asyncio.wait_for(asyncio.gather(p.ab.tag_send(b"x", 1),
+                                              p.b.tag_recv(bytearray(1), 1)), 5)
+        p.ab.abort()
+        p.ba.abort()
+        p.a.close()
+        assert hook.workers == (p.b,)
+        assert vars(loop)["_process_events"] is hook
+        p.b.close()
+        assert hook.workers == ()
+        assert "_process_events" not in vars(loop)
+        await asyncio.sleep(0)  # the loop still runs without it
+    finally:
+        p.close()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("tl", ["tcp", "shm"])
+async def test_woken_task_runs_in_the_iteration_of_its_fd_event(tl):
+    """Blocking mode: the receive completed by an fd event resumes its task
+    in the loop iteration whose select reported that fd (no second select,
+    which a plain add_reader would cost)."""
+    loop = asyncio.get_running_loop()
+    _selector_loop_or_skip(loop)
+    p = Pair(tl, "blocking")
+    sel = loop._selector
+    selects = []
+
+    def select(timeout=None, _orig=sel.select):
+        events = _orig(timeout)
+        selects.append({key.fd for key, _ in events})
+        return events
+
+    try:
+        p.a.start(loop)
+        p.b.start(loop)
+        await asyncio.wait_for(asyncio.gather(p.ab.tag_send(b"warm", 1),
+                                              p.b.tag_recv(bytearray(4), 1)), 5)
+        sel.select = select
+        for i in range(20):
+            await asyncio.sleep(0.002)  # idle: b armed, the loop blocks
+            buf = bytearray(8)
+            req = p.b.tag_recv(buf, 2)
+            sends = []
+            loop.call_later(0.002, lambda: sends.append(p.ab.tag_send(b"%8d" % i, 2)))
+            assert await req == 8  # (wait_for would add a Task, and a turn)
+            assert p.b.efd in selects[-1], (i, selects[-4:])
+            assert buf == b"%8d" % i
+            await asyncio.wait_for(sends[0], 5)
+    finally:
+        vars(sel).pop("select", None)
+        p.close()
