@@ -85,6 +85,7 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
 {
     PyObject *data, *shape, *typestr, *strides, *mask, *ptr, *ro;
     Py_ssize_t itemsize, n, nbytes = 1, expect;
+    int empty = 0;
 
     if (!PyDict_Check(cai)) {
         PyErr_SetString(PyExc_TypeError,
@@ -111,6 +112,10 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
     if (typestr_itemsize(typestr, &itemsize) < 0) {
         return -1;
     }
+    /* The size is shape[0] x ... x shape[n-1] x itemsize, checked: a
+     * product that does not fit in Py_ssize_t would otherwise wrap (to 0 or
+     * to any size) and be posted over an arbitrary pointer.  An empty array
+     * (a zero in the shape) has no bytes, whatever its other extents. */
     n = PyTuple_GET_SIZE(shape);
     for (Py_ssize_t i = 0; i < n; i++) {
         Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
@@ -120,9 +125,23 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
             }
             return -1;
         }
-        nbytes *= d;
+        if (d == 0) {
+            empty = 1;
+        }
     }
-    nbytes *= itemsize;
+    if (empty) {
+        nbytes = 0;
+    } else {
+        for (Py_ssize_t i = 0; i < n; i++) {
+            Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+            if (__builtin_mul_overflow(nbytes, d, &nbytes)) {
+                goto overflow;
+            }
+        }
+        if (__builtin_mul_overflow(nbytes, itemsize, &nbytes)) {
+            goto overflow;
+        }
+    }
     strides = PyDict_GetItemString(cai, "strides");
     if (strides != NULL && strides != Py_None) {
         if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != n) {
@@ -130,9 +149,11 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
                             "__cuda_array_interface__: bad 'strides'");
             return -1;
         }
-        /* C-contiguous: stride[i] == itemsize * prod(shape[i+1:]) */
+        /* C-contiguous: stride[i] == itemsize * prod(shape[i+1:]) (an
+         * empty array is contiguous whatever its strides; otherwise expect
+         * stays <= nbytes and cannot overflow). */
         expect = itemsize;
-        for (Py_ssize_t i = n - 1; i >= 0; i--) {
+        for (Py_ssize_t i = n - 1; i >= 0 && !empty; i--) {
             Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
             Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
             if (s == -1 && PyErr_Occurred()) {
@@ -162,6 +183,12 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
         PyErr_SetString(PyExc_ValueError, "CUDA array has a NULL pointer");
         return -1;
     }
+    if ((uintptr_t)b->ptr > UINTPTR_MAX - (size_t)nbytes) {
+        PyErr_Format(PyExc_OverflowError,
+                     "__cuda_array_interface__: %zd bytes at %p run past the "
+                     "end of the address space", nbytes, b->ptr);
+        return -1;
+    }
     if (cuda_stream_sync(PyDict_GetItemString(cai, "stream")) < 0) {
         return -1;
     }
@@ -170,6 +197,13 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
     b->view.obj = NULL;
     b->owner = Py_NewRef(obj);
     return 0;
+
+overflow:
+    PyErr_Format(PyExc_OverflowError,
+                 "__cuda_array_interface__: size of shape %R x itemsize %zd "
+                 "overflows (more than %zd bytes)", shape, itemsize,
+                 PY_SSIZE_T_MAX);
+    return -1;
 }
 
 /*

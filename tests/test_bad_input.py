@@ -380,23 +380,55 @@ async def _(env):
 
 @row("cuda-interface-size-overflow",
      "__cuda_array_interface__ whose shape x itemsize overflows 64 bits "
-     "(shape (2**62, 8), '|u1'); isolated", (ValueError, OverflowError, BufferError),
-     marks=[pytest.mark.xfail(strict=True, reason=(
-         "csrc/buffer.c (cuda_buf_get) multiplies the shape and the item size "
-         "in Py_ssize_t without an overflow check: the size wraps (here to 0) "
-         "and the transfer is posted. CPython's -fwrapv makes the wrap defined, "
-         "so the UBSan build does not report it"))])
+     "(shape (2**62, 8), '|u1', and 5 others), or whose bytes run past the end of "
+     "the address space; isolated", OverflowError, "overflows")
 async def _(env):
     p = run_isolated(ISOLATED_PRELUDE + """
 class C:
-    __cuda_array_interface__ = {"shape": (2**62, 8), "typestr": "|u1",
-                                "data": (0x1000, False), "version": 3}
+    def __init__(self, shape, typestr, ptr=0x1000):
+        self.__cuda_array_interface__ = {"shape": shape, "typestr": typestr,
+                                         "data": (ptr, False), "version": 3}
 ctx = U.Context({"TLS": "tcp"}); w = U.Worker(ctx)
 ep = w.ep_from_address(w.address)
-report(lambda: ep.tag_send(C(), 1))
+CASES = [((2**62, 8), "|u1"),            # wraps to 0 without a check
+         ((2**62,), "<f8"),              # 2**65: wraps to 0
+         ((2**40, 2**30), "|u1"),        # 2**70
+         ((3, 2**62), "|u1"),            # wraps to 2**62 (a "valid" size)
+         ((2**61 + 1,), "<f4"),          # wraps to 4
+         ((2**20,) * 4, "<c16")]         # 2**84
+def f():
+    first = None
+    for shape, typestr in CASES:
+        try:
+            ep.tag_send(C(shape, typestr), 1)
+        except OverflowError as e:
+            first = first or e
+        else:
+            raise AssertionError(f"shape {shape} {typestr}: a transfer was posted")
+    try:
+        ep.tag_send(C((32,), "|u1", ptr=2**64 - 16), 1)
+    except OverflowError as e:
+        assert "address space" in str(e), e
+    else:
+        raise AssertionError("32 bytes at 2**64 - 16: a transfer was posted")
+    raise first
+report(f)
 ep.abort(); w.close(); ctx.close()
 """)
     return isolated_outcome(p)
+
+
+@row("cuda-interface-empty-huge-extent",
+     "__cuda_array_interface__ with shape (0, 2**62, 8): empty, no overflow; "
+     "a zero-byte receive is posted and cancelled", None)
+async def _(env):
+    _ep, sep = await env.pair()
+    r = sep._ep.tag_recv(_Cuda({"shape": (0, 2**62, 8), "typestr": "|u1",
+                                "data": (0x1000, False), "version": 3}), 0xC0FFEE)
+    r.cancel()
+    e = await catch(lambda: r)
+    assert isinstance(e, U.UCXCanceledError), e
+    return None
 
 
 # ===================================================================== tags
