@@ -1092,12 +1092,17 @@ Worker_listen(WorkerObject *w, PyObject *args, PyObject *kw)
 PyDoc_STRVAR(Worker_register_am_allocator_doc,
 "register_am_allocator($self, memory_type, allocator, /)\n--\n\n"
 "allocator(nbytes) -> writable buffer, used by am_recv for messages of\n"
-"that memory type.");
+"that memory type (MEMORY_TYPE_HOST, MEMORY_TYPE_CUDA, or another UCS\n"
+"memory type); ValueError for any other int.");
 
 static PyObject *
 Worker_register_am_allocator(WorkerObject *w, PyObject *const *args,
                              Py_ssize_t nargs)
 {
+    PyObject *key;
+    long mt;
+    int rc;
+
     if (nargs != 2) {
         PyErr_SetString(PyExc_TypeError,
                         "register_am_allocator() takes 2 arguments");
@@ -1109,7 +1114,31 @@ Worker_register_am_allocator(WorkerObject *w, PyObject *const *args,
                         "allocator: callable)");
         return NULL;
     }
-    if (PyDict_SetItem(w->am_allocators, args[0], args[1]) < 0) {
+    /* One of UCX's memory types (ucs_memory_type_t: 0 ..
+     * UCS_MEMORY_TYPE_LAST - 1); anything else would be stored and never
+     * used.  Stored under an exact int, the key am_recv looks up. */
+    mt = PyLong_AsLong(args[0]);
+    if (mt == -1 && PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            return NULL;
+        }
+        PyErr_Clear();
+    }
+    if (mt < 0 || mt >= UCS_MEMORY_TYPE_LAST) {
+        PyErr_Format(PyExc_ValueError,
+                     "unknown memory type %R: expected a UCS memory type in "
+                     "[0, %d) (MEMORY_TYPE_HOST = %d, MEMORY_TYPE_CUDA = %d)",
+                     args[0], (int)UCS_MEMORY_TYPE_LAST,
+                     (int)UCS_MEMORY_TYPE_HOST, (int)UCS_MEMORY_TYPE_CUDA);
+        return NULL;
+    }
+    key = PyLong_FromLong(mt);
+    if (key == NULL) {
+        return NULL;
+    }
+    rc = PyDict_SetItem(w->am_allocators, key, args[1]);
+    Py_DECREF(key);
+    if (rc < 0) {
         return NULL;
     }
     Py_RETURN_NONE;

@@ -675,13 +675,16 @@ async def _(env):
     return await catch(lambda: ucxx.register_am_allocator(bytearray, "gpu"))
 
 
-@row("am-allocator-unknown-memtype", "Worker.register_am_allocator(99, bytearray)",
-     ValueError, marks=[pytest.mark.xfail(strict=True, reason=(
-         "csrc/worker.c register_am_allocator stores any int as a memory type "
-         "(no check against the ucs_memory_type_t values)"))])
+@row("am-allocator-unknown-memtype", "Worker.register_am_allocator(99, bytearray) (and -1, "
+     "MEMORY_TYPE_UNKNOWN, 2**70): nothing stored", ValueError, "unknown memory type 99")
 async def _(env):
     w = ucxx.core._get_ctx().worker
-    return await catch(lambda: w.register_am_allocator(99, bytearray))
+    for bad in (-1, U.MEMORY_TYPE_UNKNOWN, 2**70):
+        e = await catch(lambda: w.register_am_allocator(bad, bytearray))
+        assert isinstance(e, ValueError) and "unknown memory type" in str(e), (bad, e)
+    e = await catch(lambda: w.register_am_allocator(99, bytearray))
+    w.register_am_allocator(U.MEMORY_TYPE_HOST, bytearray)  # a valid type still is
+    return e
 
 
 # ============================================================ addresses
