@@ -781,17 +781,54 @@ report(f)
     return isolated_outcome(p)
 
 
-@row("worker-address-bad-version", "worker address with its header byte set to 0xff; "
-     "isolated", ucxx.UCXError, marks=[pytest.mark.xfail(strict=True, reason=(
-         "the C layer passes the bytes to ucp_ep_create unchecked; UCX 1.22 "
-         "asserts on the address version (address.c:1141, SIGABRT). A check "
-         "of the header's version nibble (0 or 1) in Worker.ep_from_address "
-         "would turn it into UCXInvalidParamError"))])
+@row("worker-address-bad-version", "a real worker address with a first byte whose version "
+     "nibble is not 0 (v1) or 1 (v2): 0xff and the 223 others, each; isolated",
+     U.UCXInvalidParamError, "unsupported address version 15 \\(first byte 0xff")
 async def _(env):
     p = run_isolated(ISOLATED_PRELUDE + """
 ctx = U.Context({"TLS": "tcp"}); w = U.Worker(ctx)
-addr = bytearray(w.address); addr[0] = 0xff
-report(lambda: w.ep_from_address(bytes(addr)).abort())
+addr = w.address
+def attempt(first):
+    a = bytearray(addr); a[0] = first
+    try:
+        w.ep_from_address(bytes(a)).abort()
+    except U.UCXInvalidParamError as e:
+        assert "unsupported address version" in str(e), e
+        return e
+    raise AssertionError(f"first byte {first:#04x}: an endpoint was created")
+def f():
+    for first in range(256):
+        if first & 0x0f >= 2 and first != 0xff:
+            attempt(first)
+    raise attempt(0xff)
+report(f)
+w.close(); ctx.close()
+""")
+    return isolated_outcome(p)
+
+
+@row("worker-address-header-overrun", "worker addresses whose header announces more than "
+     "they hold (uuid, client id, a 200-byte name), v1 and v2; isolated",
+     U.UCXInvalidParamError, "too short for its header")
+async def _(env):
+    p = run_isolated(ISOLATED_PRELUDE + """
+ctx = U.Context({"TLS": "tcp"}); w = U.Worker(ctx)
+cases = [bytes([0x70]) + bytes(7),                       # v1: name, uuid, client id: 19
+         bytes([0x20]) + bytes(8),                       # v1: uuid, no device byte: 10
+         bytes([0x61, 0x06]) + bytes(14),                # v2: uuid, client id: 19
+         bytes([0x61, 0x03]) + bytes(8) + bytes([200]) + bytes(40)]  # v2: name of 200
+def f():
+    for a in cases:
+        try:
+            w.ep_from_address(a).abort()
+        except U.UCXInvalidParamError as e:
+            assert "too short for its header" in str(e), (a.hex(), e)
+            last = e
+        else:
+            raise AssertionError(f"{a.hex()}: an endpoint was created")
+    raise last
+report(f)
+w.close(); ctx.close()
 """)
     return isolated_outcome(p)
 

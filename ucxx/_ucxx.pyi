@@ -165,7 +165,11 @@ class Worker:
         """Receive into a writable C-contiguous buffer from any endpoint."""
     def ep_from_address(
         self, address: bytes, error_handling: bool = True
-    ) -> Endpoint: ...
+    ) -> Endpoint:
+        """Endpoint to the worker with this UCX address (no handshake). Its
+        header (version, the fixed fields it announces) is checked
+        (``UCXInvalidParamError``); the device list is parsed by UCX only,
+        so the address must come from a trusted peer."""
     def ep_from_sockaddr(
         self, host: str, port: int, error_handling: bool = True
     ) -> Endpoint:
@@ -182,7 +186,9 @@ class Worker:
     def register_am_allocator(
         self, memory_type: int, allocator: Callable[[int], Buffer]
     ) -> None:
-        """Allocator used by ``am_recv`` for messages of that memory type."""
+        """Allocator used by ``am_recv`` for messages of that memory type
+        (``MEMORY_TYPE_HOST``, ``MEMORY_TYPE_CUDA``, or another UCS memory
+        type; ``ValueError`` otherwise)."""
     def close(self) -> None:
         """Idempotent: fail pending requests with UCXCanceledError, remove
         the reader, end the progress task, ``ucp_worker_destroy``."""
