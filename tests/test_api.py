@@ -126,6 +126,27 @@ def test_init_env_takes_precedence(monkeypatch):
 
 
 @pytest.mark.no_ctx
+def test_default_ucx_options(monkeypatch):
+    """docs/DECISIONS.md: UCX keepalive every 1 s and TCP keepalive/user
+    timeout bounding a silent peer to about 4 s, each unless the caller's
+    options or the environment set it."""
+    from ucxx._lib_async.application_context import effective_options
+
+    defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s",
+                "TCP_KEEPCNT": "3", "TCP_USER_TIMEOUT": "4s"}
+    for name in defaults:
+        monkeypatch.delenv(f"UCX_{name}", raising=False)
+    assert effective_options() == defaults
+    assert effective_options({"UCX_TCP_USER_TIMEOUT": "auto"})["TCP_USER_TIMEOUT"] == "auto"
+    monkeypatch.setenv("UCX_TCP_KEEPIDLE", "10s")
+    opts = effective_options()
+    assert "TCP_KEEPIDLE" not in opts and opts["TCP_KEEPCNT"] == "3"
+    ucxx.init(options={"TLS": "tcp"})
+    assert ucxx.core._ctx.options == {"TLS": "tcp", **opts}
+    assert ucxx.get_config()["KEEPALIVE_INTERVAL"].startswith("1000000")
+
+
+@pytest.mark.no_ctx
 def test_init_unknown_option():
     with pytest.raises(ucxx.UCXConfigError) as ei:
         ucxx.init(options={"NO_SUCH_OPTION_XYZ": "1"})
