@@ -127,13 +127,13 @@ def test_init_env_takes_precedence(monkeypatch):
 
 @pytest.mark.no_ctx
 def test_default_ucx_options(monkeypatch):
-    """docs/DECISIONS.md: UCX keepalive every 1 s and TCP keepalive/user
-    timeout bounding a silent peer to about 4 s, each unless the caller's
-    options or the environment set it."""
+    """docs/DECISIONS.md: UCX keepalive every 1 s, TCP keepalive bounding a
+    silent idle peer to about 4 s and a 30 s TCP user timeout, each unless
+    the caller's options or the environment set it."""
     from ucxx._lib_async.application_context import effective_options
 
     defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s",
-                "TCP_KEEPCNT": "3", "TCP_USER_TIMEOUT": "4s"}
+                "TCP_KEEPCNT": "3", "TCP_USER_TIMEOUT": "30s"}
     for name in defaults:
         monkeypatch.delenv(f"UCX_{name}", raising=False)
     assert effective_options() == defaults

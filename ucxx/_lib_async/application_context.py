@@ -34,14 +34,17 @@ DEFAULT_UCX_OPTIONS = {
     "KEEPALIVE_INTERVAL": "1s",
     # UCX's tcp transport does not use KEEPALIVE_INTERVAL: it relies on the
     # kernel's TCP keepalive (UCX defaults: 10 s idle, 2 s interval, the
-    # kernel's 9 probes: 18-28 s for a silent host). 1 s + 3 x 1 s = 4 s.
+    # kernel's 9 probes: 18-28 s for a silent host). 1 s + 3 x 1 s = 4 s
+    # (without a user timeout; with one, Linux closes after the user timeout).
     "TCP_KEEPIDLE": "1s",
     "TCP_KEEPINTVL": "1s",
     "TCP_KEEPCNT": "3",
     # Keepalive does not run while data is unacknowledged (a link that goes
     # down during a send): only the user timeout bounds that case (UCX's
-    # "auto" leaves the kernel's tcp_retries2, about 15 minutes).
-    "TCP_USER_TIMEOUT": "4s",
+    # "auto" leaves the kernel's tcp_retries2, about 15 minutes). Linux also
+    # applies it to a peer whose receive window stays closed (a receiver that
+    # stalls with a backlog), so it is long: 30 s, as Dask's own tcp comm.
+    "TCP_USER_TIMEOUT": "30s",
 }
 
 
