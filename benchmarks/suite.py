@@ -2,6 +2,8 @@
 
     python benchmarks/suite.py            # full run, ~10-15 minutes
     python benchmarks/suite.py --quick    # ~2-3 minutes, fewer sizes/rounds
+    python benchmarks/suite.py --gil-contention   # progress modes under a busy
+                                          # event loop: contention.py, ~4 minutes
 
 What it does:
 
@@ -819,7 +821,18 @@ def write_markdown(text: str, path: Path) -> None:
 
 # --------------------------------------------------------------------- main
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--gil-contention" in argv:
+        import contention
+
+        argv.remove("--gil-contention")
+        return contention.main(argv, prog="python benchmarks/suite.py --gil-contention")
     p = argparse.ArgumentParser(description="ucxx vs raw UCX comparison suite")
+    p.add_argument("--gil-contention", action="store_true",
+                   help="run only the progress modes (blocking, polling, thread, "
+                   "thread-polling) with and without a busy event loop: "
+                   "benchmarks/contention.py; the other options are then its own "
+                   "(--gil-contention --help)")
     p.add_argument("--quick", action="store_true",
                    help=f"sizes {SIZES_QUICK}, 2 rounds, 1/4 of the iterations")
     p.add_argument("--sizes", default=None, help=f"message sizes (default {SIZES_FULL})")
@@ -873,8 +886,7 @@ def main(argv=None) -> int:
         args.cpus = "0"
 
     t_start = time.monotonic()
-    command = "python benchmarks/suite.py" + (" " + " ".join(argv if argv is not None
-                                                               else sys.argv[1:])).rstrip()
+    command = "python benchmarks/suite.py" + (" " + " ".join(argv)).rstrip()
     data: dict = {
         "machine": machine_info(),
         "load_start": loadavg(),
