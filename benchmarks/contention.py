@@ -524,9 +524,13 @@ def render(data: dict) -> str:
       "rounds: the share of the CPU time the process got that went to the busy work. "
       "Other load on the machine does not change it; it changes the same ratio taken "
       "with wall-clock time (`work_wall` in the JSON file). The busy work keeps each "
-      "process runnable, so on a machine to itself both agree"
-      + (f"; in this run a process got {statistics.median(cps):.2f} CPU-seconds per "
-         f"second (median, range {min(cps):.2f}–{max(cps):.2f})." if cps else ".")
+      "process runnable, so on a machine to itself both agree, and each process "
+      "gets 1 CPU-second per second. *CPU/s*: the CPU-seconds per second a process "
+      "got during the phase (mean of both, median over rounds); below 1, other load "
+      "on its CPU took the rest, which stretches every slice and so every latency "
+      "under busy work"
+      + (f" (in this run: median {statistics.median(cps):.2f}, range "
+         f"{min(cps):.2f}–{max(cps):.2f})." if cps else ".")
       + f" *Idle*: connected, busy work running, no traffic ({cfg['idle']:g} s).")
     w("- Transports: `tcp` = `UCX_TLS=tcp` (loopback); `shared memory` = "
       "`UCX_TLS=posix,sysv,cma,tcp` + `UCX_MM_ERROR_HANDLING=y`"
@@ -539,7 +543,7 @@ def render(data: dict) -> str:
         if "none" in cfg["busy"]:
             hdr.append("no busy work")
         for k in kinds:
-            hdr += [BUSY_LABEL[k], "× none", "work done"]
+            hdr += [BUSY_LABEL[k], "× none", "work done", "CPU/s"]
         w("| " + " | ".join(hdr) + " |")
         w("|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * (len(hdr) - 2)) + "|")
         for n in cfg["sizes"]:
@@ -548,12 +552,13 @@ def render(data: dict) -> str:
                 for k in cfg["busy"]:
                     e = s.get(f"{tls}|{mode}|{n}|{k}")
                     if not e or e.get("median_ns") is None:
-                        row += ["–"] * (1 if k == "none" else 3)
+                        row += ["–"] * (1 if k == "none" else 4)
                         continue
                     row.append(f"{_fmt_ns(e['median_ns'])} ({_fmt_ns(e['mean_ns'])})")
                     if k != "none":
                         row.append(f"{e['slowdown']:.1f}×" if e.get("slowdown") else "–")
                         row.append(_pct(e["work"]))
+                        row.append(f"{e['cpu_per_s']:.2f}" if e.get("cpu_per_s") else "–")
                 w("| " + " | ".join(row) + " |")
         w("")
     if kinds:
