@@ -26,18 +26,20 @@ Measured, per mode and scenario, in the same process pair:
 
 - one-way latency (half round trip): median and mean over the measured
   round trips (``--duration`` seconds after a short warm-up);
-- the busy work done meanwhile, as a share of what the same work achieves
-  alone, client and server averaged. Every process first measures its busy
-  work alone, before it sets up UCX; the share is taken against the median
-  of those figures over the whole run on the same CPU (one short
-  measurement per process is noisy on a shared machine), as
-  busy slices per second of the process's CPU time (all its threads), i.e.
-  the share of the CPU time the process got that went to the busy work,
-  which other load on the machine does not change (the same ratio with
-  wall-clock time, which such load lowers, is in the JSON file as
-  ``work_wall``);
+- the busy work done meanwhile: the share of the process's CPU time (all
+  its threads) that was spent in the busy slices (their own CPU time,
+  ``time.thread_time``), client and server averaged. Neither other load on
+  the machine nor changes of the CPU's speed (a virtual machine's CPU
+  moved between about 700 and 1300 slices per CPU-second here, within
+  seconds) change that share; the slices per second themselves, and
+  their ratio to the same work alone (measured by every process before it
+  sets up UCX), are in the JSON file (``work_rate``, ``work_wall``,
+  ``work_cpu_rate``);
 - the same share while connected but idle (no traffic; ``--idle``
-  seconds): what a progress mode costs Python work when nothing happens.
+  seconds): what a progress mode costs Python work when nothing happens;
+- the CPU-seconds per second each process got: below 1, other load on its
+  CPU took the rest, which stretches every slice and so every latency
+  under busy work.
 
 One process pair per (round, transport, mode) runs every (size, scenario)
 phase in turn, so a contended round trip is compared with the uncontended
@@ -99,8 +101,9 @@ MAGIC = 0x75637878676C6F62  # "ucxxglob"
 VERSION = 1
 CMD_PING, CMD_IDLE, CMD_QUIT = 1, 2, 3
 CTRL = struct.Struct("<6Q")  # magic, version, command, nbytes, busy index, work
-# slices, wall s, process CPU s, alone: slices per wall s, per CPU s; echoes
-STATS = struct.Struct("<QddddQ")
+# slices, wall s, process CPU s, CPU s in the slices; alone: slices per wall
+# s, per CPU s, share of the CPU time in the slices; echoes
+STATS = struct.Struct("<QddddddQ")
 
 
 # ----------------------------------------------------------------- busy work
@@ -114,11 +117,12 @@ def _slice(n: int) -> int:
 
 class Busy:
     """The busy work of one phase: an asyncio task or a Python thread that
-    runs slices and counts them."""
+    runs slices, counts them and adds up the CPU time spent in them."""
 
     def __init__(self, kind: str, work: int):
         self.kind, self.work = kind, work
         self.count = 0
+        self.cpu = 0.0  # CPU seconds spent in the slices
         self._stop = False
         self._task = None
         self._thread = None
@@ -132,21 +136,26 @@ class Busy:
         return self
 
     async def _run_task(self) -> None:
-        work = self.work
+        work, clock = self.work, time.thread_time
         while not self._stop:
+            t = clock()
             _slice(work)
+            self.cpu += clock() - t
             self.count += 1
             await asyncio.sleep(0)
 
     def _run_thread(self) -> None:
-        work = self.work
+        work, clock = self.work, time.thread_time
+        base = clock()
         while not self._stop:
             _slice(work)
             self.count += 1
+            self.cpu = clock() - base
 
-    def mark(self) -> tuple[float, float, int]:
-        """(wall clock, CPU time of the whole process, slices so far)."""
-        return time.perf_counter(), time.process_time(), self.count
+    def mark(self) -> tuple[float, float, int, float]:
+        """(wall clock, CPU time of the whole process, slices so far, CPU
+        time spent in them so far)."""
+        return time.perf_counter(), time.process_time(), self.count, self.cpu
 
     async def stop(self) -> None:
         self._stop = True
@@ -157,11 +166,13 @@ class Busy:
 
 
 def _rates(a, b) -> dict:
-    """Slices per second of wall time and per second of the process's CPU
-    time between two marks, and the CPU time the process got per second."""
-    wall, cpu, n = b[0] - a[0], b[1] - a[1], b[2] - a[2]
+    """Between two marks: slices per second of wall time and per second of
+    the process's CPU time, the CPU time the process got per second, and
+    the share of that CPU time spent in the slices."""
+    wall, cpu, n, busy = b[0] - a[0], b[1] - a[1], b[2] - a[2], b[3] - a[3]
     return {"rate": n / wall if wall > 0 else 0.0, "cpu_rate": n / cpu if cpu > 0 else 0.0,
-            "cpu_per_s": cpu / wall if wall > 0 else 0.0}
+            "cpu_per_s": cpu / wall if wall > 0 else 0.0,
+            "share": min(1.0, busy / cpu) if cpu > 0 else 0.0}
 
 
 async def _alone(kinds, work: int, seconds: float) -> dict[str, dict]:
@@ -218,8 +229,9 @@ async def _server(args) -> int:
             b = busy.mark()
         await busy.stop()
         al = alone.get(kind, {})
-        stats = STATS.pack(b[2] - a[2], b[0] - a[0], b[1] - a[1], al.get("rate", 0.0),
-                           al.get("cpu_rate", 0.0), echoes)
+        stats = STATS.pack(b[2] - a[2], b[0] - a[0], b[1] - a[1], b[3] - a[3],
+                           al.get("rate", 0.0), al.get("cpu_rate", 0.0), al.get("share", 0.0),
+                           echoes)
         await _timed(api.ctrl_send(ep, bytearray(stats), TAG_ACK), "send stats")
     await api.close(ep)
     return 0
@@ -253,11 +265,13 @@ async def _client(args, port: int, alone: dict[str, dict]) -> dict:
     async def server_stats() -> dict:
         raw = bytearray(STATS.size)
         await _timed(api.ctrl_recv(ep, raw, TAG_ACK), "receive stats")
-        slices, wall, cpu, alone_rate, alone_cpu_rate, echoes = STATS.unpack(raw)
-        r = _rates((0.0, 0.0, 0), (wall, cpu, slices))
+        (slices, wall, cpu, busy, alone_rate, alone_cpu_rate, alone_share,
+         echoes) = STATS.unpack(raw)
+        r = _rates((0.0, 0.0, 0, 0.0), (wall, cpu, slices, busy))
         return {"server_rate": r["rate"], "server_cpu_rate": r["cpu_rate"],
-                "server_cpu_per_s": r["cpu_per_s"], "server_alone": alone_rate,
-                "server_alone_cpu": alone_cpu_rate, "server_echoes": echoes}
+                "server_cpu_per_s": r["cpu_per_s"], "server_share": r["share"],
+                "server_alone": alone_rate, "server_alone_cpu": alone_cpu_rate,
+                "server_alone_share": alone_share, "server_echoes": echoes}
 
     for what, kind, nbytes in plan:
         busy = Busy(kind, args.work).start()
@@ -303,8 +317,9 @@ async def _client(args, port: int, alone: dict[str, dict]) -> dict:
         r = _rates(a, b)
         al = alone.get(kind, {})
         rec.update(client_rate=r["rate"], client_cpu_rate=r["cpu_rate"],
-                   client_cpu_per_s=r["cpu_per_s"], client_alone=al.get("rate", 0.0),
-                   client_alone_cpu=al.get("cpu_rate", 0.0))
+                   client_cpu_per_s=r["cpu_per_s"], client_share=r["share"],
+                   client_alone=al.get("rate", 0.0), client_alone_cpu=al.get("cpu_rate", 0.0),
+                   client_alone_share=al.get("share", 0.0))
         rec.update(await server_stats())
         phases.append(rec)
     await command(CMD_QUIT, "none", 0)
@@ -384,34 +399,40 @@ def run_pair(mode: str, tls: str, *, sizes: str, busy: str, reverse: bool, args)
 
 
 # ------------------------------------------------------------------- summary
-# the figures of one side: (rate during the phase, rate alone)
-KEYS = {"cpu": ("cpu_rate", "alone_cpu"), "wall": ("rate", "alone")}
+# normalised figures of one side: (figure during the phase, figure alone)
+KEYS = {"cpu_rate": ("cpu_rate", "alone_cpu"), "wall": ("rate", "alone"),
+        "alone_share": ("alone_share", "alone_share")}
 
 
-def _share(r: dict, side: str, alone: dict | None = None, kind: str = "cpu") -> float | None:
-    """Busy slices done by one process during a phase, as a share of the
-    same work alone. kind "cpu": slices per second of the process's CPU
-    time (what share of the CPU time the process got went to the busy work;
-    other load on the machine cancels out); "wall": slices per second."""
-    rate, ref_key = KEYS[kind]
+def _side(r: dict, side: str, alone: dict | None = None, kind: str = "share") -> float | None:
+    """One process's busy-work figure for a phase. "share": the share of the
+    process's CPU time spent in the busy slices (other load on the machine
+    and changes of the CPU's speed cancel out); "rate": slices per second;
+    "wall" / "cpu_rate": slices per second of wall-clock / of the process's
+    CPU time, as a share of the same for the busy work alone (``alone``:
+    {(side, busy kind, kind): figure} to compare with, else the process's
+    own)."""
+    if r["busy"] == "none":
+        return None
+    if kind in ("share", "rate"):
+        return r.get(f"{side}_{kind}")
+    val_key, ref_key = KEYS[kind]
     ref = (alone or {}).get((side, r["busy"], kind)) or r.get(f"{side}_{ref_key}") or 0.0
-    val = r.get(f"{side}_{rate}")
-    return val / ref if val is not None and ref > 0 and r["busy"] != "none" else None
+    val = r.get(f"{side}_{val_key}")
+    return val / ref if val is not None and ref > 0 else None
 
 
-def _work(r: dict, alone: dict | None = None, kind: str = "cpu") -> float | None:
-    """The mean of the client's and the server's shares. ``alone``:
-    {(side, busy kind, kind): slices/s} to compare with instead of the
-    process's own figure."""
-    s = [x for x in (_share(r, "client", alone, kind), _share(r, "server", alone, kind))
+def _work(r: dict, alone: dict | None = None, kind: str = "share") -> float | None:
+    """The mean of the client's and the server's figures."""
+    s = [x for x in (_side(r, "client", alone, kind), _side(r, "server", alone, kind))
          if x is not None]
     return sum(s) / len(s) if s else None
 
 
 def alone_rates(runs: list[dict]) -> dict:
-    """{(side, busy kind, "cpu"/"wall"): median slices/s of the busy work
-    alone over all the run's processes on that side}: one short measurement
-    per process is noisy on a shared machine; the median of all is not."""
+    """{(side, busy kind, kind): median over all the run's processes on that
+    side of the busy work's figure alone}: one short measurement per process
+    is noisy on a shared machine."""
     vals: dict = {}
     for run in runs:
         if "error" in run:
@@ -419,7 +440,7 @@ def alone_rates(runs: list[dict]) -> dict:
         seen = set()
         for ph in run["phases"]:
             for side in ("client", "server"):
-                for kind, (_rate, ref_key) in KEYS.items():
+                for kind, (_val, ref_key) in KEYS.items():
                     key = (side, ph["busy"], kind)
                     v = ph.get(f"{side}_{ref_key}")
                     if ph["busy"] != "none" and key not in seen and v:
@@ -447,10 +468,12 @@ def summarise(runs: list[dict]) -> dict:
     out = {}
     for (tls, mode, mid, busy), per in by.items():
         e: dict = {"rounds": len(per)}
-        e["work"] = _med(_work(r, alone) for r in per.values())
-        e["work_client"] = _med(_share(r, "client", alone) for r in per.values())
-        e["work_server"] = _med(_share(r, "server", alone) for r in per.values())
+        e["work"] = _med(_work(r) for r in per.values())
+        e["work_client"] = _med(_side(r, "client") for r in per.values())
+        e["work_server"] = _med(_side(r, "server") for r in per.values())
+        e["work_rate"] = _med(_work(r, kind="rate") for r in per.values())
         e["work_wall"] = _med(_work(r, alone, "wall") for r in per.values())
+        e["work_cpu_rate"] = _med(_work(r, alone, "cpu_rate") for r in per.values())
         e["cpu_per_s"] = _med((r.get("client_cpu_per_s", 0) + r.get("server_cpu_per_s", 0)) / 2
                               for r in per.values() if busy != "none")
         if mid != "idle":
@@ -497,8 +520,9 @@ def render(data: dict) -> str:
           "for all its threads (the event loop, the busy thread, the progress thread "
           "of the thread modes).")
     ar = alone_rates(data["runs"])
-    slice_ms = (f"{1e3 / ar[('client', 'loop', 'cpu')]:.2f} ms"
-                if ar.get(("client", "loop", "cpu")) else "?")
+    slice_ms = (f"{1e3 / ar[('client', 'loop', 'cpu_rate')]:.2f} ms"
+                if ar.get(("client", "loop", "cpu_rate")) else "?")
+    alone_sh = [v for k, v in ar.items() if k[2] == "alone_share"]
     spins = sorted({(run["mode"], run["spin_us"]) for run in data["runs"] if "error" not in run})
     w(f"- Busy work, in both processes: slices of pure-Python arithmetic "
       f"({cfg['work']} loop iterations, {slice_ms} per slice alone, median). "
@@ -517,16 +541,16 @@ def render(data: dict) -> str:
       "both in reverse order every other round. × none = contended / uncontended "
       "median of the same process pair, median over rounds.")
     cps = [e["cpu_per_s"] for e in s.values() if e.get("cpu_per_s")]
-    w("- Work done: busy slices per second of the process's CPU time (all its "
-      "threads) during the phase / the same for the busy work alone on the same CPU "
-      f"(every process measures it for {cfg['alone']:g} s before it sets up UCX; "
-      "median over the run's processes), mean of client and server, median over "
-      "rounds: the share of the CPU time the process got that went to the busy work. "
-      "Other load on the machine does not change it; it changes the same ratio taken "
-      "with wall-clock time (`work_wall` in the JSON file). The busy work keeps each "
-      "process runnable, so on a machine to itself both agree, and each process "
-      "gets 1 CPU-second per second. *CPU/s*: the CPU-seconds per second a process "
-      "got during the phase (mean of both, median over rounds); below 1, other load "
+    w("- *Python work*: the share of the process's CPU time (all its threads) spent "
+      "in the busy slices (their own CPU time, `time.thread_time`), mean of client "
+      "and server, median over rounds"
+      + (f"; the same busy work alone, before UCX is set up: "
+         f"{min(alone_sh) * 100:.0f}–{max(alone_sh) * 100:.0f} %" if alone_sh else "")
+      + ". Neither other load on the machine nor changes of the virtual CPU's speed "
+      "change this share; slices per second do (in the JSON file: `work_rate`, and "
+      "`work_wall` / `work_cpu_rate` as ratios to the same work alone). *CPU/s*: the "
+      "CPU-seconds per second a process got during the phase (mean of both, median "
+      "over rounds): the busy work keeps each process runnable, so below 1 other load "
       "on its CPU took the rest, which stretches every slice and so every latency "
       "under busy work"
       + (f" (in this run: median {statistics.median(cps):.2f}, range "
@@ -543,7 +567,7 @@ def render(data: dict) -> str:
         if "none" in cfg["busy"]:
             hdr.append("no busy work")
         for k in kinds:
-            hdr += [BUSY_LABEL[k], "× none", "work done", "CPU/s"]
+            hdr += [BUSY_LABEL[k], "× none", "Python work", "CPU/s"]
         w("| " + " | ".join(hdr) + " |")
         w("|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * (len(hdr) - 2)) + "|")
         for n in cfg["sizes"]:
@@ -562,7 +586,8 @@ def render(data: dict) -> str:
                 w("| " + " | ".join(row) + " |")
         w("")
     if kinds:
-        w("### Busy work done while connected and idle (share of the same work alone)\n")
+        w("### Python work while connected and idle (share of the CPU time in the busy "
+          "slices)\n")
         hdr = ["transport", "mode"] + [BUSY_LABEL[k] for k in kinds]
         w("| " + " | ".join(hdr) + " |")
         w("|---|---|" + "|".join(["---:"] * len(kinds)) + "|")

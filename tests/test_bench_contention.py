@@ -56,6 +56,8 @@ def test_contention_tiny_run(tmp_path):
             if p["busy"] != "none":
                 assert p["client_alone"] > 0 and p["server_alone"] > 0
                 assert p["client_cpu_rate"] >= 0 and p["server_cpu_rate"] >= 0
+                assert 0 <= p["client_share"] <= 1 and 0 <= p["server_share"] <= 1
+                assert 0 < p["client_alone_share"] <= 1
         assert run["spin_us"] == (100.0 if run["mode"] == "polling" else 0.0)
     s = data["summary"]
     for mode in MODES:
