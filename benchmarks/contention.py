@@ -96,6 +96,7 @@ MODES = ("blocking", "polling", "thread", "thread-polling")
 BUSY = ("none", "loop", "thread")
 BUSY_LABEL = {"none": "no busy work", "loop": "busy loop task", "thread": "busy Python thread"}
 WORK = 10000  # iterations of the busy slice: about 1 ms of CPython on this machine
+SPREAD = 3.0  # flag a cell whose per-round medians spread more than this
 
 MAGIC = 0x75637878676C6F62  # "ucxxglob"
 VERSION = 1
@@ -478,6 +479,7 @@ def summarise(runs: list[dict]) -> dict:
                               for r in per.values() if busy != "none")
         if mid != "idle":
             e["median_ns"] = _med(r["median_ns"] for r in per.values())
+            e["rounds_median_ns"] = [per[k]["median_ns"] for k in sorted(per)]
             e["mean_ns"] = _med(r["mean_ns"] for r in per.values())
             e["iters"] = _med(r["iters"] for r in per.values())
             base = by.get((tls, mode, mid, "none"), {})
@@ -561,6 +563,7 @@ def render(data: dict) -> str:
       + (f"; `UCX_NET_DEVICES={cfg['net_devices']}`." if cfg.get("net_devices") else ".")
       + "\n")
     kinds = [k for k in cfg["busy"] if k != "none"]
+    spread: list = []
     for tls in cfg["tls"]:
         w(f"### {tls_label(tls)}: one-way latency, median (mean), µs unless noted\n")
         hdr = ["size", "mode"]
@@ -578,12 +581,24 @@ def render(data: dict) -> str:
                     if not e or e.get("median_ns") is None:
                         row += ["–"] * (1 if k == "none" else 4)
                         continue
-                    row.append(f"{_fmt_ns(e['median_ns'])} ({_fmt_ns(e['mean_ns'])})")
+                    rm = e.get("rounds_median_ns") or [e["median_ns"]]
+                    mark = " †" if min(rm) > 0 and max(rm) / min(rm) > SPREAD else ""
+                    if mark:
+                        spread.append((tls, n, mode, k, rm))
+                    row.append(f"{_fmt_ns(e['median_ns'])} ({_fmt_ns(e['mean_ns'])}){mark}")
                     if k != "none":
                         row.append(f"{e['slowdown']:.1f}×" if e.get("slowdown") else "–")
                         row.append(_pct(e["work"]))
                         row.append(f"{e['cpu_per_s']:.2f}" if e.get("cpu_per_s") else "–")
                 w("| " + " | ".join(row) + " |")
+        w("")
+    if spread:
+        w(f"† The per-round medians of these cells spread more than {SPREAD:g}×; the "
+          "median over rounds hides that (with an even number of rounds it can fall "
+          "between two behaviours). Per round, µs unless noted:\n")
+        for tls, n, mode, k, rm in spread:
+            w(f"- {tls_label(tls)}, {size_label(n)}, {mode}, {BUSY_LABEL[k]}: "
+              + ", ".join(_fmt_ns(x) for x in rm))
         w("")
     if kinds:
         w("### Python work while connected and idle (share of the CPU time in the busy "
