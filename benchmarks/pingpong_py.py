@@ -382,7 +382,9 @@ def _main(argv=None) -> int:
     p = argparse.ArgumentParser(description="Tagged ping-pong over the ucxx package "
                                 "(comparable with benchmarks/ref/pingpong).")
     p.add_argument("--api", choices=("core", "public"), default="core")
-    p.add_argument("-m", "--mode", choices=("blocking", "polling"), default="blocking")
+    p.add_argument("-m", "--mode", choices=("blocking", "polling", "thread", "thread-polling"),
+                   default="blocking",
+                   help="progress mode (thread modes: a C progress thread, no spin)")
     p.add_argument("--spin-us", type=float, default=None,
                    help="spin budget in microseconds (default: the mode's default)")
     p.add_argument("-n", "--nbytes", default="1", help="message size (K/M suffixes)")

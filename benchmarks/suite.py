@@ -2,6 +2,8 @@
 
     python benchmarks/suite.py            # full run, ~10-15 minutes
     python benchmarks/suite.py --quick    # ~2-3 minutes, fewer sizes/rounds
+    python benchmarks/suite.py --gil-contention   # progress modes under a busy
+                                          # event loop: contention.py, ~4 minutes
 
 What it does:
 
@@ -19,6 +21,8 @@ What it does:
    py-polling-spin     ``--api core -m polling --spin-us S``
    pub-blocking        ``--api public -m blocking --spin-us 0``
    py-*-uvloop         optional: ``py-blocking``/``py-polling`` on uvloop
+   py-thread           optional: ``--api core -m thread`` (C progress thread)
+   py-thread-polling   optional: ``--api core -m thread-polling``
    ==================  ==================================================
 
    Each run is a fresh pair of processes pinned to ``--cpus`` (server,
@@ -83,13 +87,20 @@ VARIANTS = {
                            ("c-blocking",)),
     "py-polling-uvloop": ("py", "core", "polling", 0, "Py polling spin 0 uvloop",
                           ("c-polling",)),
+    # optional (not in the default set): the thread modes (a C progress thread;
+    # they never spin). Under a busy event loop: ``--gil-contention``.
+    "py-thread": ("py", "core", "thread", 0, "Py thread", ("c-blocking",)),
+    "py-thread-polling": ("py", "core", "thread-polling", 0, "Py thread-polling",
+                          ("c-polling",)),
 }
 LOOPS = {"py-blocking-uvloop": "uvloop", "py-polling-uvloop": "uvloop"}
 # Run order inside one (round, transport, size): each Python variant next to
 # the C run it is compared with.
 ORDER = ["c-blocking", "py-blocking", "pub-blocking", "py-blocking-spin", "py-blocking-uvloop",
-         "c-polling", "py-polling", "py-polling-spin", "py-polling-uvloop"]
-DEFAULT_VARIANTS = [v for v in ORDER if v not in LOOPS]
+         "py-thread", "c-polling", "py-polling", "py-polling-spin", "py-polling-uvloop",
+         "py-thread-polling"]
+OPTIONAL = set(LOOPS) | {"py-thread", "py-thread-polling"}
+DEFAULT_VARIANTS = [v for v in ORDER if v not in OPTIONAL]
 
 
 def iterations(nbytes: int, scale: float) -> tuple[int, int]:
@@ -749,6 +760,8 @@ def plot(data: dict, outdir: Path = DOCS) -> list[str]:
         "pub-blocking": ("public API blocking, spin 0", "tab:purple", "-.", "d"),
         "py-blocking-uvloop": ("Py blocking, spin 0, uvloop", "tab:cyan", "--", "P"),
         "py-polling-uvloop": ("Py polling, spin 0, uvloop", "tab:brown", "--", "P"),
+        "py-thread": ("Py thread (progress thread)", "tab:olive", "-.", "x"),
+        "py-thread-polling": ("Py thread-polling", "tab:pink", "-.", "x"),
     }
     written = []
     for tls in cfg["tls"]:
@@ -808,7 +821,18 @@ def write_markdown(text: str, path: Path) -> None:
 
 # --------------------------------------------------------------------- main
 def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--gil-contention" in argv:
+        import contention
+
+        argv.remove("--gil-contention")
+        return contention.main(argv, prog="python benchmarks/suite.py --gil-contention")
     p = argparse.ArgumentParser(description="ucxx vs raw UCX comparison suite")
+    p.add_argument("--gil-contention", action="store_true",
+                   help="run only the progress modes (blocking, polling, thread, "
+                   "thread-polling) with and without a busy event loop: "
+                   "benchmarks/contention.py; the other options are then its own "
+                   "(--gil-contention --help)")
     p.add_argument("--quick", action="store_true",
                    help=f"sizes {SIZES_QUICK}, 2 rounds, 1/4 of the iterations")
     p.add_argument("--sizes", default=None, help=f"message sizes (default {SIZES_FULL})")
@@ -818,7 +842,7 @@ def main(argv=None) -> int:
                    help="multiply the iteration counts (default 1, quick 0.25)")
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma list of {', '.join(ORDER)} (default: all but the "
-                   "uvloop ones)")
+                   "uvloop and thread ones)")
     p.add_argument("--spin-us", type=float, default=50.0, help="budget of the +spin variants")
     p.add_argument("--cpus", default="0,1",
                    help="SERVER_CPU,CLIENT_CPU pinning ('none': unpinned)")
@@ -862,8 +886,7 @@ def main(argv=None) -> int:
         args.cpus = "0"
 
     t_start = time.monotonic()
-    command = "python benchmarks/suite.py" + (" " + " ".join(argv if argv is not None
-                                                               else sys.argv[1:])).rstrip()
+    command = "python benchmarks/suite.py" + (" " + " ".join(argv)).rstrip()
     data: dict = {
         "machine": machine_info(),
         "load_start": loadavg(),
