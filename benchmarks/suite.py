@@ -635,9 +635,9 @@ def _render_callgrind(cg: dict) -> str:
     w("")
     w("‡ Timing-dependent: in polling mode the number of idle loop turns per message, "
       "and for the C reference's two processes whether the reply is already there when "
-      "the worker is armed, change from run to run (seen: polling 97k–141k, C 2.8k–6.1k "
+      "the worker is armed, change from run to run (seen: polling 55k–141k, C 2.8k–6.1k "
       "Ir per round trip). The blocking Python figures repeat within a few per cent "
-      "(seen: 86k–92k for the core API, 57k–61k for the public API).\n")
+      "between runs of the same commit.\n")
     batch = [r for r in cg["results"] if r.get("variant", "").startswith("batch-")]
     if batch:
         bi = cg.get("batch_iters", ["?", "?"])
