@@ -127,9 +127,9 @@ def test_init_env_takes_precedence(monkeypatch):
 
 @pytest.mark.no_ctx
 def test_default_ucx_options(monkeypatch):
-    """docs/DECISIONS.md: UCX keepalive every 1 s, TCP keepalive bounding a
-    silent idle peer to about 4 s and a 30 s TCP user timeout, each unless
-    the caller's options or the environment set it."""
+    """docs/DECISIONS.md: UCX keepalive every 1 s, TCP keepalive probes from
+    1 s of idleness and a 30 s TCP user timeout (which bounds a silent peer),
+    each unless the caller's options or the environment set it."""
     from ucxx._lib_async.application_context import effective_options
 
     defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s",
