@@ -85,6 +85,9 @@ from pingpong_py import (  # noqa: E402
     _pin,
     _read_port,
     _timed,
+    server_cmd,
+    server_process,
+    wait_server,
 )
 from ref.run_ref import RefError, parse_size, ucx_env  # noqa: E402
 
@@ -329,18 +332,6 @@ async def _client(args, port: int, alone: dict[str, dict]) -> dict:
             "switch_interval_s": sys.getswitchinterval(), "phases": phases}
 
 
-def _spawn_server(args, server_cpu):
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "server",
-           "--mode", args.mode, "--host", args.host, "--net-devices", "",
-           "--work", str(args.work), "--alone", repr(args.alone)]
-    if args.spin_us is not None:
-        cmd += ["--spin-us", repr(args.spin_us)]
-    if server_cpu is not None:
-        cmd += ["--cpus", str(server_cpu)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, preexec_fn=_die_with_parent)
-
-
 def _pair_main(args) -> int:
     """One process pair (``--role client`` spawns the server)."""
     os.environ.update(ucx_env(args.tls))
@@ -351,29 +342,18 @@ def _pair_main(args) -> int:
         _die_with_parent()
         _pin(server_cpu)
         return asyncio.run(_server(args))
-    server = _spawn_server(args, server_cpu)
-    try:
+    cmd = server_cmd(__file__, ["--mode", args.mode, "--host", args.host, "--net-devices", "",
+                                "--work", str(args.work), "--alone", repr(args.alone)],
+                     args.spin_us, server_cpu)
+    with server_process(cmd) as server:
         _pin(client_cpu)
         # while the server measures its own (on its CPU) before it listens
         alone = asyncio.run(_alone(BUSY, args.work, args.alone))
         port = _read_port(server)
         result = asyncio.run(_client(args, port, alone))
-        try:
-            status = server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            raise PyBenchError("the server did not exit") from None
-        if status != 0:
-            raise PyBenchError(f"the server exited with status {status}")
+        wait_server(server)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
-    finally:
-        if server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
 
 
 def run_pair(mode: str, tls: str, *, sizes: str, busy: str, reverse: bool, args) -> dict:

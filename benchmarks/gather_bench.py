@@ -37,7 +37,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -54,6 +53,9 @@ from pingpong_py import (  # noqa: E402
     _parse_cpus,
     _pin,
     _read_port,
+    server_cmd,
+    server_process,
+    wait_server,
 )
 from ref.run_ref import parse_size, ucx_env  # noqa: E402
 
@@ -322,11 +324,9 @@ def _main(argv=None) -> int:
         _pin(server_cpu)
         return asyncio.run(_server(args))
 
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "server"]
-    cmd += [a for a in (argv if argv is not None else sys.argv[1:]) if a not in ("--json",)]
-    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                              text=True, preexec_fn=_die_with_parent)
-    try:
+    cmd = server_cmd(__file__, [a for a in (argv if argv is not None else sys.argv[1:])
+                                if a != "--json"])
+    with server_process(cmd) as server:
         _pin(client_cpu)
         port = _read_port(server)
         res = asyncio.run(_client(args, port))
@@ -334,18 +334,8 @@ def _main(argv=None) -> int:
             print(json.dumps(res), flush=True)
         else:
             print(format_table(res), flush=True)
-        status = server.wait(timeout=10)
-        if status != 0:
-            raise PyBenchError(f"the server exited with status {status}")
+        wait_server(server)
         return 0
-    finally:
-        if server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
 
 
 if __name__ == "__main__":

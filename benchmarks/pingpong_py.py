@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import struct
@@ -348,16 +349,42 @@ def _run(coro, loop_name: str):
     return asyncio.run(coro)
 
 
-def _spawn_server(args, server_cpu):
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--role", "server",
-           "--api", args.api, "--mode", args.mode, "--host", args.host,
-           "--loop", args.loop, "--net-devices", ""]  # the client set the environment
-    if args.spin_us is not None:
-        cmd += ["--spin-us", repr(args.spin_us)]
+def server_cmd(script, role_args: list, spin_us=None, server_cpu=None) -> list:
+    """The command line of a benchmark's server process."""
+    cmd = [sys.executable, str(Path(script).resolve()), "--role", "server", *role_args]
+    if spin_us is not None:
+        cmd += ["--spin-us", repr(spin_us)]
     if server_cpu is not None:
         cmd += ["--cpus", str(server_cpu)]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
-                            text=True, preexec_fn=_die_with_parent)
+    return cmd
+
+
+@contextlib.contextmanager
+def server_process(cmd: list):
+    """Run a benchmark's server (it dies with its parent); stop it on the
+    way out if it is still running."""
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL,
+                              text=True, preexec_fn=_die_with_parent)
+    try:
+        yield server
+    finally:
+        if server.poll() is None:
+            server.terminate()
+            try:
+                server.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+
+
+def wait_server(server) -> None:
+    """The server must exit, with status 0, once the client is done."""
+    try:
+        status = server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        raise PyBenchError("the server did not exit") from None
+    if status != 0:
+        raise PyBenchError(f"the server exited with status {status}")
 
 
 def _read_port(proc) -> int:
@@ -416,27 +443,16 @@ def _main(argv=None) -> int:
         _pin(server_cpu)
         return _run(_server(args), args.loop)
 
-    server = _spawn_server(args, server_cpu)
-    try:
+    cmd = server_cmd(__file__, ["--api", args.api, "--mode", args.mode, "--host", args.host,
+                                "--loop", args.loop, "--net-devices", ""],  # env set here
+                     args.spin_us, server_cpu)
+    with server_process(cmd) as server:
         _pin(client_cpu)
         port = _read_port(server)
         result = _run(_client(args, port), args.loop)
         print(_format(result, args.api, args.spin_us, args.loop), flush=True)
-        try:
-            status = server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            raise PyBenchError("the server did not exit") from None
-        if status != 0:
-            raise PyBenchError(f"the server exited with status {status}")
+        wait_server(server)
         return 0
-    finally:
-        if server.poll() is None:
-            server.terminate()
-            try:
-                server.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
 
 
 def run_py(
