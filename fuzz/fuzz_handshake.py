@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import struct
 import sys
-import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
@@ -61,16 +60,9 @@ def seeds() -> list[bytes]:
 
 
 def main(argv):
-    if atheris is None:
-        sys.exit("atheris is not installed: pip install atheris")
-    if not any(not a.startswith("-") for a in argv[1:]):
-        corpus = tempfile.mkdtemp(prefix="ucxx-fuzz-handshake-")
-        for i, s in enumerate(seeds()):
-            with open(os.path.join(corpus, f"seed{i}"), "wb") as f:
-                f.write(s)
-        argv = argv + [corpus]
-    atheris.Setup(argv, test_one_input)
-    atheris.Fuzz()
+    from _atheris_main import run  # this folder: sys.path[0] when run as a script
+
+    run(argv, test_one_input, seeds, "handshake")
 
 
 if __name__ == "__main__":
