@@ -85,7 +85,7 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
 {
     PyObject *data, *shape, *typestr, *strides, *mask, *ptr, *ro;
     Py_ssize_t itemsize, n, nbytes = 1, expect;
-    int empty = 0;
+    int empty = 0, overflow = 0;
 
     if (!PyDict_Check(cai)) {
         PyErr_SetString(PyExc_TypeError,
@@ -125,22 +125,18 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
             }
             return -1;
         }
-        if (d == 0) {
-            empty = 1;
-        }
+        empty |= d == 0;
+        overflow |= __builtin_mul_overflow(nbytes, d, &nbytes);
     }
+    overflow |= __builtin_mul_overflow(nbytes, itemsize, &nbytes);
     if (empty) {
         nbytes = 0;
-    } else {
-        for (Py_ssize_t i = 0; i < n; i++) {
-            Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
-            if (__builtin_mul_overflow(nbytes, d, &nbytes)) {
-                goto overflow;
-            }
-        }
-        if (__builtin_mul_overflow(nbytes, itemsize, &nbytes)) {
-            goto overflow;
-        }
+    } else if (overflow) {
+        PyErr_Format(PyExc_OverflowError,
+                     "__cuda_array_interface__: size of shape %R x itemsize "
+                     "%zd overflows (more than %zd bytes)", shape, itemsize,
+                     PY_SSIZE_T_MAX);
+        return -1;
     }
     strides = PyDict_GetItemString(cai, "strides");
     if (strides != NULL && strides != Py_None) {
@@ -197,13 +193,6 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
     b->view.obj = NULL;
     b->owner = Py_NewRef(obj);
     return 0;
-
-overflow:
-    PyErr_Format(PyExc_OverflowError,
-                 "__cuda_array_interface__: size of shape %R x itemsize %zd "
-                 "overflows (more than %zd bytes)", shape, itemsize,
-                 PY_SSIZE_T_MAX);
-    return -1;
 }
 
 /*
