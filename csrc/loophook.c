@@ -27,6 +27,8 @@ typedef struct {
     vectorcallfunc vectorcall;   /* LoopHook_call */
     PyObject *orig;      /* strong: the loop's _process_events before us */
     PyObject *workers;   /* strong: list of the WorkerObjects served */
+    int orig_is_base;    /* orig is BaseSelectorEventLoop's own method,
+                            which does nothing with an empty list */
 } LoopHookObject;
 
 static WorkerObject *
@@ -108,6 +110,11 @@ LoopHook_call(LoopHookObject *h, PyObject *const *args, size_t nargsf,
         Py_XDECREF(res);
         Py_DECREF(w);
     }
+    if (rest != NULL && PyList_GET_SIZE(rest) == 0 && h->orig_is_base) {
+        /* Only our fds were ready (the usual case): nothing left to pass. */
+        Py_DECREF(rest);
+        Py_RETURN_NONE;
+    }
     res = PyObject_CallOneArg(h->orig, rest != NULL ? rest : events);
     Py_XDECREF(rest);
     return res;
@@ -128,6 +135,22 @@ hook_of(ucxx_state *st, PyObject *loop)
         return NULL;
     }
     return (LoopHookObject *)cur;
+}
+
+/* Whether `bound` is BaseSelectorEventLoop._process_events itself (not a
+ * subclass's override, which might do something on every iteration). */
+static int
+orig_is_base(ucxx_state *st, PyObject *bound)
+{
+    PyObject *func = PyObject_GetAttrString(bound, "__func__");
+    PyObject *base = PyObject_GetAttr(st->BaseSelectorEventLoop,
+                                      st->s_process_events);
+    int same = func != NULL && func == base;
+
+    Py_XDECREF(func);
+    Py_XDECREF(base);
+    PyErr_Clear();
+    return same;
 }
 
 /* Serve w's loop fd through loop's hook (installed on first use). Returns
@@ -159,6 +182,7 @@ ucxx_loophook_add(PyObject *loop, WorkerObject *w)
         }
         h->vectorcall = (vectorcallfunc)LoopHook_call;
         h->orig = orig;
+        h->orig_is_base = orig_is_base(st, orig);
         h->workers = PyList_New(0);
         PyObject_GC_Track(h);
         if (h->workers == NULL ||
