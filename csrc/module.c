@@ -115,9 +115,12 @@ module_exec(PyObject *m)
                                                    "InvalidStateError");
     st->Handle = PyObject_GetAttrString(asyncio, "Handle");
     st->BaseEventLoop = PyObject_GetAttrString(asyncio, "BaseEventLoop");
+    st->Future = PyObject_GetAttrString(asyncio, "Future");
+    st->kw_loop = Py_BuildValue("(s)", "loop");
     if (st->get_running_loop == NULL || st->CancelledError == NULL ||
         st->InvalidStateError == NULL || st->Handle == NULL ||
-        st->BaseEventLoop == NULL) {
+        st->BaseEventLoop == NULL || st->Future == NULL ||
+        st->kw_loop == NULL) {
         goto error;
     }
     {
@@ -204,6 +207,8 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->InvalidStateError);
     Py_VISIT(st->Handle);
     Py_VISIT(st->BaseEventLoop);
+    Py_VISIT(st->Future);
+    Py_VISIT(st->kw_loop);
     Py_VISIT(st->BaseSelectorEventLoop);
     return 0;
 }
@@ -213,6 +218,7 @@ module_clear(PyObject *m)
 {
     ucxx_state *st = PyModule_GetState(m);
 
+    ucxx_request_freelist_clear(st);
     Py_CLEAR(st->ContextType);
     Py_CLEAR(st->WorkerType);
     Py_CLEAR(st->EndpointType);
@@ -228,6 +234,8 @@ module_clear(PyObject *m)
     Py_CLEAR(st->InvalidStateError);
     Py_CLEAR(st->Handle);
     Py_CLEAR(st->BaseEventLoop);
+    Py_CLEAR(st->Future);
+    Py_CLEAR(st->kw_loop);
     Py_CLEAR(st->BaseSelectorEventLoop);
     Py_CLEAR(st->s_create_future);
     Py_CLEAR(st->s_create_task);

@@ -75,7 +75,7 @@ Progress_am_send(ProgressObject *p, PyObject *arg, PyObject **presult)
         return PYGEN_NEXT;
     }
     st = ucxx_state_of((PyObject *)p);
-    fut = PyObject_CallMethodNoArgs(p->loop, st->s_create_future);
+    fut = ucxx_worker_new_future(w, st);
     if (fut == NULL) {
         *presult = NULL;
         return PYGEN_ERROR;

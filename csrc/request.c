@@ -15,9 +15,16 @@ ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
     ucxx_state *st = ucxx_state_of((PyObject *)w);
     RequestObject *r;
 
-    r = PyObject_GC_New(RequestObject, st->RequestType);
-    if (r == NULL) {
-        return NULL;
+    r = st->req_free;
+    if (r != NULL) {
+        st->req_free = r->next_done;
+        st->nreq_free--;
+        PyObject_Init((PyObject *)r, st->RequestType);
+    } else {
+        r = PyObject_GC_New(RequestObject, st->RequestType);
+        if (r == NULL) {
+            return NULL;
+        }
     }
     r->worker = (WorkerObject *)Py_NewRef(w);
     r->endpoint = (EndpointObject *)Py_XNewRef(ep);
@@ -430,19 +437,22 @@ now_us(void)
     return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
 }
 
-/* Progress the worker inline for up to spin_us; true if r completed. */
+/* Progress the worker inline for up to spin_us; true if r completed.
+ * The clock is read every 8 progress calls only, the first time after
+ * them (a reading costs about as much as a shared-memory progress call,
+ * and most replies that a spin catches arrive within those calls): the
+ * budget therefore starts 8 calls late, which is noise next to it. */
 static int
 request_spin(RequestObject *r)
 {
     WorkerObject *w = r->worker;
-    double deadline;
+    double deadline = 0.0, now;
     unsigned i = 0;
 
     if (w->spin_us <= 0 || w->handle == NULL || UCXX_THREADED(w)) {
         return 0;
     }
     ucxx_worker_touched(w);
-    deadline = now_us() + w->spin_us;
     for (;;) {
         ucp_worker_progress(w->handle);
         if (w->done_head != NULL) {
@@ -451,8 +461,13 @@ request_spin(RequestObject *r)
                 return 1;
             }
         }
-        if ((++i & 7) == 0 && now_us() >= deadline) {
-            return 0;
+        if ((++i & 7) == 0) {
+            now = now_us();
+            if (deadline == 0.0) {
+                deadline = now + w->spin_us;
+            } else if (now >= deadline) {
+                return 0;
+            }
         }
     }
 }
@@ -495,8 +510,8 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
                 goto done;
             }
         }
-        r->future = PyObject_CallMethodNoArgs(loop, st->s_create_future);
         Py_DECREF(loop);
+        r->future = ucxx_worker_new_future(w, st);
         if (r->future == NULL) {
             *presult = NULL;
             return PYGEN_ERROR;
@@ -687,6 +702,7 @@ static void
 Request_dealloc(RequestObject *r)
 {
     PyTypeObject *tp = Py_TYPE(r);
+    ucxx_state *st;
 
     PyObject_GC_UnTrack(r);
     for (Py_ssize_t i = 0; i < r->nbufs; i++) {
@@ -703,8 +719,28 @@ Request_dealloc(RequestObject *r)
     Request_clear(r);
     Py_CLEAR(r->endpoint);
     Py_CLEAR(r->worker);
-    PyObject_GC_Del(r);
+    st = ucxx_state_from_type(tp);
+    if (tp == st->RequestType && st->nreq_free < UCXX_REQ_FREELIST) {
+        r->next_done = st->req_free;
+        st->req_free = r;
+        st->nreq_free++;
+    } else {
+        PyObject_GC_Del(r);
+    }
     Py_DECREF(tp);
+}
+
+/* Module teardown: free the Requests kept for reuse. */
+void
+ucxx_request_freelist_clear(ucxx_state *st)
+{
+    while (st->req_free != NULL) {
+        RequestObject *r = st->req_free;
+
+        st->req_free = r->next_done;
+        PyObject_GC_Del(r);
+    }
+    st->nreq_free = 0;
 }
 
 static PyMethodDef Request_methods[] = {

@@ -92,6 +92,8 @@ typedef struct {
     PyObject *ResourceWarning_;        /* borrowed: builtin */
     PyObject *Handle;                  /* strong: asyncio.Handle */
     PyObject *BaseEventLoop;           /* strong: asyncio.BaseEventLoop */
+    PyObject *Future;                  /* strong: asyncio.Future */
+    PyObject *kw_loop;                 /* strong: ("loop",) */
     PyObject *BaseSelectorEventLoop;   /* strong: asyncio.selector_events.
                                           BaseSelectorEventLoop */
     /* interned method / attribute names */
@@ -107,7 +109,19 @@ typedef struct {
     PyObject *s_cancel;
     PyObject *s_blocking;              /* "_asyncio_future_blocking" */
     PyObject *s_process_events;        /* "_process_events" */
+    /* Dead Requests kept for reuse (linked through next_done): a transfer
+     * that completes inside its call costs no allocation. */
+    struct RequestObject *req_free;
+    int nreq_free;
 } ucxx_state;
+
+/* Requests kept on the free list; none in sanitizer builds, where a
+ * reused object would hide a use after free. */
+#if defined(__SANITIZE_ADDRESS__)
+#define UCXX_REQ_FREELIST 0
+#else
+#define UCXX_REQ_FREELIST 16
+#endif
 
 typedef struct WorkerObject WorkerObject;
 typedef struct EndpointObject EndpointObject;
@@ -190,6 +204,9 @@ struct WorkerObject {
     PyObject *rearm_handle;      /* strong: a reusable asyncio.Handle of
                                     rearm_cb (stdlib loops), or NULL */
     PyObject *ready_append;      /* strong: loop._ready.append, or NULL */
+    int direct_future;           /* the loop's create_future is
+                                    BaseEventLoop's: futures are made as
+                                    asyncio.Future(loop=loop) directly */
     PyObject *loop_hook;         /* strong: the loop's LoopHook serving our
                                     fd (stdlib selector loops), or NULL */
     ucxx_link pending;           /* RequestObject.wlink: requests UCX holds */
@@ -350,6 +367,7 @@ int ucxx_worker_arm(WorkerObject *w, int drained);
 int ucxx_worker_attach(WorkerObject *w, PyObject *loop);
 void ucxx_worker_detach(WorkerObject *w);
 void ucxx_worker_queue_done(WorkerObject *w, RequestObject *r);
+PyObject *ucxx_worker_new_future(WorkerObject *w, ucxx_state *st);
 int ucxx_worker_loop_fd(WorkerObject *w);
 PyObject *ucxx_worker_on_loop_fd(WorkerObject *w);
 
@@ -359,16 +377,23 @@ PyObject *ucxx_loophook_add(PyObject *loop, WorkerObject *w);
 void ucxx_loophook_remove(PyObject *hook, PyObject *loop, WorkerObject *w);
 int ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg);
 
+/* The worker lock serialises the loop thread and the progress thread, so
+ * only thread modes take it; in the other modes the GIL is the lock (no
+ * entry point releases it around a UCX call there). */
 static inline void
 ucxx_lock(WorkerObject *w)
 {
-    pthread_mutex_lock(&w->lock);
+    if (UCXX_THREADED(w)) {
+        pthread_mutex_lock(&w->lock);
+    }
 }
 
 static inline void
 ucxx_unlock(WorkerObject *w)
 {
-    pthread_mutex_unlock(&w->lock);
+    if (UCXX_THREADED(w)) {
+        pthread_mutex_unlock(&w->lock);
+    }
 }
 
 /* thread.c */
@@ -382,6 +407,7 @@ PyObject *ucxx_progress_new(WorkerObject *w, PyObject *loop);
 
 /* request.c */
 extern PyType_Spec ucxx_request_spec;
+void ucxx_request_freelist_clear(ucxx_state *st);
 RequestObject *ucxx_request_new(WorkerObject *w, EndpointObject *ep,
                                 int kind, Py_ssize_t nops);
 RequestObject *ucxx_request_with_buffer(WorkerObject *w, EndpointObject *ep,

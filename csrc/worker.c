@@ -210,6 +210,20 @@ ucxx_worker_touched(WorkerObject *w)
     }
 }
 
+/* A new future on the worker's loop: asyncio.Future(loop=loop), which is
+ * what BaseEventLoop.create_future returns, without its Python-level call;
+ * loop.create_future() on loops that define their own. */
+PyObject *
+ucxx_worker_new_future(WorkerObject *w, ucxx_state *st)
+{
+    if (w->direct_future) {
+        PyObject *args[1] = {w->loop};
+
+        return PyObject_Vectorcall(st->Future, args, 0, st->kw_loop);
+    }
+    return PyObject_CallMethodNoArgs(w->loop, st->s_create_future);
+}
+
 /* Drain and arm from the loop; reschedule if the drain budget ran out. */
 static void
 worker_service(WorkerObject *w, int drained)
@@ -378,6 +392,7 @@ ucxx_worker_detach(WorkerObject *w)
     Py_CLEAR(w->coro);
     Py_CLEAR(w->rearm_handle);
     Py_CLEAR(w->ready_append);
+    w->direct_future = 0;
     if (w->loop_hook != NULL) {
         PyObject *hook = w->loop_hook;
 
@@ -454,6 +469,17 @@ ucxx_worker_attach(WorkerObject *w, PyObject *loop)
             Py_CLEAR(w->ready_append);
         }
         PyErr_Clear();
+        {
+            PyObject *mine = PyObject_GetAttr((PyObject *)Py_TYPE(loop),
+                                              st->s_create_future);
+            PyObject *base = PyObject_GetAttr(st->BaseEventLoop,
+                                              st->s_create_future);
+
+            w->direct_future = mine != NULL && mine == base;
+            Py_XDECREF(mine);
+            Py_XDECREF(base);
+            PyErr_Clear();
+        }
     }
     if (w->mode == UCXX_MODE_BLOCKING || UCXX_THREADED(w)) {
         int threaded = UCXX_THREADED(w);
@@ -816,7 +842,8 @@ Worker_close(WorkerObject *w, PyObject *unused)
 
 PyDoc_STRVAR(Worker_progress_doc,
 "progress($self, /)\n--\n\n"
-"One ucp_worker_progress (GIL released), then deliver its completions.\n"
+"One ucp_worker_progress (GIL released in thread modes), then deliver its\n"
+"completions.\n"
 "Returns the UCX count.");
 
 static PyObject *
@@ -829,9 +856,13 @@ Worker_progress(WorkerObject *w, PyObject *unused)
     }
     ucxx_lock(w);
     ucxx_worker_touched(w);
-    Py_BEGIN_ALLOW_THREADS
-    n = ucp_worker_progress(w->handle);
-    Py_END_ALLOW_THREADS
+    if (UCXX_THREADED(w)) {
+        Py_BEGIN_ALLOW_THREADS
+        n = ucp_worker_progress(w->handle);
+        Py_END_ALLOW_THREADS
+    } else {
+        n = ucp_worker_progress(w->handle); /* the GIL is the worker lock */
+    }
     ucxx_worker_dispatch(w);
     ucxx_unlock(w);
     return PyLong_FromUnsignedLong(n);

@@ -192,6 +192,43 @@ async def test_immediate_completion_does_not_yield(mode):
         loc.close()
 
 
+@pytest.mark.timeout(30)
+async def test_reused_requests_start_fresh(local):
+    """Dead Requests are kept for reuse: a reused one must carry nothing of
+    its previous life (status, result, buffer export, future)."""
+    w, ep = local.w, local.ep
+    await _warm_up(w, ep)
+    for i in range(40):
+        out = bytearray(8)
+        # completed inline: a send, then the receive of what already arrived
+        await ep.tag_send(b"abcdefgh", 40)
+        for _ in range(50):
+            w.progress()
+            if w.npending == 0:
+                break
+        r = w.tag_recv(out, 40)
+        assert await r == 8 and out == b"abcdefgh"
+        del r
+        # a fresh pending receive reuses a dead Request's memory
+        out2 = bytearray(4)
+        p = w.tag_recv(out2, 41)
+        assert not p.done() and p.status == 1
+        with pytest.raises(asyncio.InvalidStateError):
+            p.result()
+        with pytest.raises(BufferError):
+            out2.extend(b"x")  # exported: the pending receive holds it
+        if i % 2:
+            assert p.cancel()
+            with pytest.raises(U.UCXCanceledError):
+                await p
+        else:
+            await ep.tag_send(b"1234", 41)
+            assert await p == 4 and out2 == b"1234"
+        del p
+        out2.extend(b"x")  # released once the request is done
+    assert w.npending == 0
+
+
 # ------------------------------------------------------------------ truncation
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("order", ["recv-first", "send-first"])

@@ -96,7 +96,7 @@ class Request:
     def close(self) -> None: ...
     def done(self) -> bool: ...
     def result(self) -> Any:
-        """Result or raise; InvalidStateError-like UCXError if not done."""
+        """Result or raise; ``asyncio.InvalidStateError`` if not done."""
     def cancel(self) -> bool:
         """``ucp_request_cancel`` (receives; a send cannot be recalled).
         True if a cancel was requested. Completion then raises
@@ -146,8 +146,8 @@ class Worker:
     def npending(self) -> int:
         """Requests UCX still holds."""
     def progress(self) -> int:
-        """One ``ucp_worker_progress`` (GIL released), then delivers the
-        completions it produced. Returns the UCX count."""
+        """One ``ucp_worker_progress`` (GIL released in thread modes), then
+        delivers the completions it produced. Returns the UCX count."""
     def arm(self) -> bool:
         """``ucp_worker_arm``: True if armed, False if busy (progress again)."""
     def signal(self) -> None: ...
