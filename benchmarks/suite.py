@@ -106,7 +106,7 @@ DEFAULT_VARIANTS = [v for v in ORDER if v not in OPTIONAL]
 def iterations(nbytes: int, scale: float) -> tuple[int, int]:
     """(measured, warm-up) round trips for a message size."""
     if nbytes <= 4096:
-        n = 3000
+        n = 10000
     elif nbytes <= 65536:
         n = 1000
     elif nbytes <= 1 << 20:
