@@ -1,6 +1,7 @@
 """``benchmarks/contention.py`` (``suite.py --gil-contention``) end to end,
 with tiny phases: every progress mode and busy-work scenario runs, the JSON
-and the Markdown section come out whole. Nothing here depends on timings."""
+and the Markdown section come out whole; and ``benchmarks/floor.py``.
+Nothing here depends on timings."""
 
 from __future__ import annotations
 
@@ -94,3 +95,15 @@ def test_pingpong_py_thread_modes(mode):
                 "-w", "2", "--tls", "tcp", "--check", timeout=100)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"RESULT mode={mode} bytes=1024 iters=20 " in proc.stdout
+
+
+@pytest.mark.timeout(60)
+def test_floor_runs():
+    """``benchmarks/floor.py`` (the interpreter's share of a round trip)
+    prints its four figures."""
+    r = _run("floor.py", "-n", "2000", "-r", "1", timeout=50)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 4 and "interpreter work per round trip" in lines[3]
+    for line in lines:
+        float(line.split("ns")[0].split()[-1])
