@@ -759,9 +759,64 @@ forget_forked(WorkerObject *w)
     w->context->nworkers--;
 }
 
+/* Messages that arrived but were never received (say, a CLOSE the peer
+ * sent after this side stopped reading) make ucp_worker_destroy warn once
+ * each ("unexpected tag-receive descriptor ... was not matched"): receive
+ * the small ones into scratch memory and drop them, oldest first, up to
+ * the first one larger than UCXX_DROP_MAX.  Those are eager messages whose
+ * data is already here unless UCX_RNDV_THRESH was set below that size; a
+ * rendezvous one would need its sender, which may be gone, so the wait is
+ * bounded and then cancelled, and a scratch buffer UCX may still write
+ * into is kept in `late` and freed by the caller after ucp_worker_destroy.
+ * Larger messages are left to UCX (and its warning). */
+#define UCXX_DROP_LATE 16
+#define UCXX_DROP_MAX 4096
+
+static int
+drop_unexpected(WorkerObject *w, void **late)
+{
+    ucp_request_param_t param = {.op_attr_mask = 0};
+    ucp_tag_recv_info_t info;
+    ucp_tag_message_h msg;
+    int nlate = 0, rounds;
+    void *req, *buf;
+
+    while (nlate < UCXX_DROP_LATE &&
+           ucp_tag_probe_nb(w->handle, 0, 0, 0, &info) != NULL &&
+           info.length <= UCXX_DROP_MAX &&
+           (msg = ucp_tag_probe_nb(w->handle, 0, 0, 1, &info)) != NULL) {
+        buf = malloc(info.length > 0 ? info.length : 1);
+        if (buf == NULL) {
+            break; /* UCX releases the message with the worker */
+        }
+        req = ucp_tag_msg_recv_nbx(w->handle, buf, info.length, msg, &param);
+        if (req == NULL || UCS_PTR_IS_ERR(req)) {
+            free(buf);
+            continue;
+        }
+        for (rounds = 0; rounds < 1000 &&
+             ucp_request_check_status(req) == UCS_INPROGRESS; rounds++) {
+            ucp_worker_progress(w->handle);
+        }
+        if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+            ucp_request_cancel(w->handle, req);
+            ucp_worker_progress(w->handle);
+        }
+        if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+            late[nlate++] = buf;
+        } else {
+            free(buf);
+        }
+        ucp_request_free(req);
+    }
+    return nlate;
+}
+
 static void
 worker_close_now(WorkerObject *w)
 {
+    void *late[UCXX_DROP_LATE];
+    int nlate;
     ucxx_link *it;
     int rounds;
 
@@ -817,9 +872,13 @@ worker_close_now(WorkerObject *w)
         }
         ucxx_request_dispatch(r);
     }
+    nlate = drop_unexpected(w, late);
     ucxx_worker_dispatch(w);
     ucxx_worker_detach(w);
     ucp_worker_destroy(w->handle);
+    while (nlate > 0) {
+        free(late[--nlate]);
+    }
     w->handle = NULL;
     w->efd = -1;
     w->context->nworkers--;
