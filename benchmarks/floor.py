@@ -4,7 +4,10 @@
 one clock reading and one stored sample per iteration) and its server loop
 (``await recv(buf)``, ``await send(buf)``) run here against stand-ins that
 return an already-completed asyncio future, so every await finishes at
-once, as a transfer that completes inside its call does. What is left is
+once, as a transfer that completes inside its call does. (The loops are
+copies of ``pingpong_py.py``'s, not shared functions: there they run
+inline in the client and server coroutines, and an extra coroutine level
+would change what the benchmark measures.) What is left is
 the Python bytecode of the loops and the awaits: work that any Python
 package doing the same ping-pong pays on top of the transport, whatever it
 does inside ``send``/``recv``.
