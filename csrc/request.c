@@ -702,6 +702,7 @@ static void
 Request_dealloc(RequestObject *r)
 {
     PyTypeObject *tp = Py_TYPE(r);
+    PyObject *mod;
     ucxx_state *st;
 
     PyObject_GC_UnTrack(r);
@@ -719,8 +720,12 @@ Request_dealloc(RequestObject *r)
     Request_clear(r);
     Py_CLEAR(r->endpoint);
     Py_CLEAR(r->worker);
-    st = ucxx_state_from_type(tp);
-    if (tp == st->RequestType && st->nreq_free < UCXX_REQ_FREELIST) {
+    /* Through ht_module, which a type cleared at interpreter shutdown no
+     * longer has (PyType_GetModuleState would raise there). */
+    mod = ((PyHeapTypeObject *)tp)->ht_module;
+    st = mod != NULL ? PyModule_GetState(mod) : NULL;
+    if (st != NULL && tp == st->RequestType &&
+        st->nreq_free < UCXX_REQ_FREELIST) {
         r->next_done = st->req_free;
         st->req_free = r;
         st->nreq_free++;

@@ -781,6 +781,9 @@ drop_unexpected(WorkerObject *w, void **late)
     int nlate = 0, rounds;
     void *req, *buf;
 
+    if (!(w->context->features & UCP_FEATURE_TAG)) {
+        return 0;
+    }
     while (nlate < UCXX_DROP_LATE &&
            ucp_tag_probe_nb(w->handle, 0, 0, 0, &info) != NULL &&
            info.length <= UCXX_DROP_MAX &&
