@@ -38,6 +38,7 @@ ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
     r->length = 0;
     r->queued = 0;
     r->self_ref = 0;
+    r->abandoned = 0;
     r->op1.req = r;
     r->op1.ucp_req = NULL;
     r->op1.expected = 0;
@@ -223,43 +224,23 @@ ucxx_request_result(RequestObject *r)
     return ucxx_raise_status(st, status, NULL);
 }
 
-/* Last operation done: release buffers, settle the status, resolve the
- * future (which only schedules callbacks), drop the self reference. */
-void
-ucxx_request_dispatch(RequestObject *r)
+static void
+request_release(RequestObject *r)
 {
-    ucs_status_t status = r->first_error;
-    PyObject *fut = r->future, *res;
-
-    if (r->status != UCS_INPROGRESS) {
-        return;
-    }
-    if (r->kind == UCXX_REQ_CLOSE) {
-        status = UCS_OK; /* the endpoint is gone either way */
-        if (r->endpoint != NULL) {
-            ucxx_endpoint_flushed(r->endpoint);
-        }
-    }
-    if (r->kind == UCXX_REQ_AM_DATA && r->endpoint != NULL) {
-        /* A rendezvous active message arrived: hand it to am_recv. */
-        PyObject *obj = status == UCS_OK ? Py_NewRef(r->result) :
-            ucxx_status_exc(ucxx_state_of((PyObject *)r), status, NULL);
-        if (obj != NULL) {
-            ucxx_am_push(r->endpoint, obj);
-            Py_DECREF(obj);
-        } else {
-            PyErr_WriteUnraisable((PyObject *)r);
-        }
-    }
     for (Py_ssize_t i = 0; i < r->nbufs; i++) {
         ucxx_buf_release(&r->bufs[i]);
     }
     r->nbufs = 0;
-    if (status == UCS_ERR_CANCELED && r->fail_status != UCS_OK) {
-        status = r->fail_status;
-    }
+}
+
+/* Settle the status and resolve the future (which only schedules
+ * callbacks). */
+static void
+request_settle(RequestObject *r, ucs_status_t status)
+{
+    PyObject *fut = r->future, *res;
+
     r->status = status;
-    ucxx_list_del(&r->wlink);
     if (status != UCS_OK && r->endpoint != NULL &&
         (r->kind == UCXX_REQ_GATHER_RECV || r->kind == UCXX_REQ_GATHER_SEND)) {
         /* Later frames would land in the wrong buffers: stop the stream. */
@@ -287,10 +268,74 @@ ucxx_request_dispatch(RequestObject *r)
         }
         Py_XDECREF(res);
     }
+}
+
+static void
+request_drop_self(RequestObject *r)
+{
     if (r->self_ref) {
         r->self_ref = 0;
         Py_DECREF(r);
     }
+}
+
+/* Last operation done: release buffers, settle the status, resolve the
+ * future, drop the self reference.  For an abandoned request (already
+ * settled) only the release is left. */
+void
+ucxx_request_dispatch(RequestObject *r)
+{
+    ucs_status_t status = r->first_error;
+
+    if (r->status != UCS_INPROGRESS) {
+        if (r->abandoned && r->npending == 0) {
+            r->abandoned = 0;
+            request_release(r);
+            ucxx_list_del(&r->wlink);
+            request_drop_self(r);
+        }
+        return;
+    }
+    if (r->kind == UCXX_REQ_CLOSE) {
+        status = UCS_OK; /* the endpoint is gone either way */
+        if (r->endpoint != NULL) {
+            ucxx_endpoint_flushed(r->endpoint);
+        }
+    }
+    if (r->kind == UCXX_REQ_AM_DATA && r->endpoint != NULL) {
+        /* A rendezvous active message arrived: hand it to am_recv. */
+        PyObject *obj = status == UCS_OK ? Py_NewRef(r->result) :
+            ucxx_status_exc(ucxx_state_of((PyObject *)r), status, NULL);
+        if (obj != NULL) {
+            ucxx_am_push(r->endpoint, obj);
+            Py_DECREF(obj);
+        } else {
+            PyErr_WriteUnraisable((PyObject *)r);
+        }
+    }
+    request_release(r);
+    if (status == UCS_ERR_CANCELED && r->fail_status != UCS_OK) {
+        status = r->fail_status;
+    }
+    ucxx_list_del(&r->wlink);
+    request_settle(r, status);
+    request_drop_self(r);
+}
+
+/* The endpoint of receive r is dead: fail r for Python now, whatever UCX
+ * does with the operations it still holds after the cancel (a rendezvous
+ * receive matched to a message of a peer that died may never complete,
+ * nor be cancelled).  Its buffers, its place on worker->pending and its
+ * self reference stay until UCX completes those operations, at the latest
+ * when the worker closes.  Call it once every operation of r is posted. */
+void
+ucxx_request_abandon(RequestObject *r, ucs_status_t status)
+{
+    if (r->status != UCS_INPROGRESS || r->npending == 0) {
+        return;
+    }
+    r->abandoned = 1;
+    request_settle(r, status);
 }
 
 /* ---- posting single operations ---------------------------------------- */
@@ -333,8 +378,11 @@ ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep)
 {
     if (ep != NULL && (ep->error != UCS_OK || ep->peer_closed) &&
         r->npending) {
-        ucxx_request_cancel_ucx(r, ep->error != UCS_OK ? ep->error
-                                                       : UCS_ERR_CANCELED);
+        ucs_status_t report = ep->error != UCS_OK ? ep->error
+                                                  : UCS_ERR_CANCELED;
+
+        ucxx_request_cancel_ucx(r, report);
+        ucxx_request_abandon(r, report);
     }
 }
 

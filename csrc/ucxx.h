@@ -268,6 +268,9 @@ struct RequestObject {
     size_t length;               /* bytes received (single receive) */
     int queued;                  /* on worker's done list */
     int self_ref;                /* holds a reference to itself for UCX */
+    int abandoned;               /* failed for Python while UCX still holds
+                                    operations: buffers, wlink and self_ref
+                                    go when UCX lets go of them */
     ucxx_op op1;                 /* inline op for the common case */
     ucxx_op *ops;                /* op1 or PyMem array (gathers) */
     ucxx_buf buf1;
@@ -414,6 +417,7 @@ RequestObject *ucxx_request_with_buffer(WorkerObject *w, EndpointObject *ep,
                                         int kind, PyObject *buf,
                                         int writable);
 void ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep);
+void ucxx_request_abandon(RequestObject *r, ucs_status_t status);
 int ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp);
 void ucxx_request_finish_posting(RequestObject *r);
 void ucxx_request_dispatch(RequestObject *r);
