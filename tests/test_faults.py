@@ -8,7 +8,11 @@ Two families (figures in docs/RELIABILITY.md, "Faults injected"):
   by worker address so that shared memory carries the data). Every pending
   await on the dead peer's endpoint fails with a typed ``UCXError`` within
   ``KILL_BOUND_S``; a second peer is served without a hitch throughout and
-  afterwards; the dead endpoint's close callback runs once.
+  afterwards; the dead endpoint's close callback runs once. The second peer
+  talks tcp in the shared-memory case: a shared-memory sender killed in the
+  middle of writing into this worker's receive FIFO blocks it for every
+  other shared-memory sender (UCX; an ``xfail(strict=True)`` test shows it
+  deterministically, with gdb).
 - **Network faults** between a client and a peer process, each in its own
   network namespace, connected through a router namespace:
   ``client --veth-- router --veth-- peer``, 10.213.x.0/24 and 10.214.x.0/24
@@ -36,6 +40,7 @@ import asyncio
 import hashlib
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -83,6 +88,13 @@ MAX_SIZE = 4 << 20
 # test_shm_peer_killed_during_large_send): the random-kill test keeps its
 # messages below that, the large-send case has its own (xfail) test.
 MAX_SIZE_BY_TRANSPORT = {"tcp": MAX_SIZE, "shm": 256 << 10}
+# The second, surviving peer of test_peer_killed_at_random_point talks tcp in
+# the shm case: a shared-memory sender killed between reserving a slot of
+# this worker's shared-memory receive FIFO and marking it written blocks that
+# FIFO for every other shared-memory sender, for good (a UCX limitation, shown
+# by test_shm_peer_killed_mid_fifo_write_blocks_other_senders); a random kill
+# lands there now and then.
+SURVIVOR_TRANSPORTS = {"tcp": FAULT_TRANSPORTS["tcp"], "shm": {"TLS": "tcp"}}
 
 
 # ------------------------------------------------------------------ peer
@@ -259,7 +271,8 @@ async def test_peer_killed_at_random_point(run_peer, fault_transport, seed):
     mode = "sockaddr" if fault_transport == "tcp" else "address"
     rng = random.Random(seed)
     victim = await start_remote(run_peer, mode, opts, base=0x1000)
-    survivor = await start_remote(run_peer, mode, opts, base=0x2000)
+    survivor = await start_remote(run_peer, mode, SURVIVOR_TRANSPORTS[fault_transport],
+                                  base=0x2000)
     closed = []
     victim.ep.set_close_callback(lambda: closed.append(time.monotonic()))
 
@@ -414,6 +427,72 @@ async def test_shm_peer_killed_during_large_send(run_peer, fault_transport):
                 t.cancel()
             await asyncio.gather(recv, send, return_exceptions=True)
             victim.ep.abort()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason=(
+    "UCX 1.22 shared memory: a sender killed between reserving a slot of the "
+    "receiver's FIFO and marking it written blocks that FIFO for every other "
+    "shared-memory sender, for good. See docs/RELIABILITY.md"))
+@pytest.mark.parametrize("fault_transport", ["shm"], indirect=True)
+async def test_shm_peer_killed_mid_fifo_write_blocks_other_senders(run_peer, fault_transport):
+    """Stop the victim with gdb inside its eager send to us, after UCX's
+    shared-memory transport reserved the FIFO slot (``uct_mm_ep_am_bcopy``
+    calls the pack callback ``ucp_eager_single_pack`` between reserving the
+    slot and setting its owner flag), kill it there; a second shared-memory
+    peer must still be served."""
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        pytest.skip("needs gdb")
+    opts = FAULT_TRANSPORTS[fault_transport]
+    victim = await start_remote(run_peer, "address", opts, base=0x5000)
+    survivor = await start_remote(run_peer, "address", opts, base=0x6000)
+    small = np.arange(1000, dtype=np.uint16).view(np.uint8)  # eager, bcopy
+    await victim.roundtrip(small)
+    await survivor.roundtrip(small)
+    dbg = subprocess.Popen(
+        [gdb, "-p", str(victim.peer.pid), "-batch", "-nx",
+         "-ex", "break ucp_eager_single_pack", "-ex", "continue", "-ex", "bt 4",
+         "-ex", "kill"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    loop = asyncio.get_running_loop()
+    lines: list[str] = []
+    armed = asyncio.Event()
+
+    def read_gdb():
+        for line in dbg.stdout:
+            lines.append(line)
+            if line.startswith("Breakpoint 1 at"):
+                loop.call_soon_threadsafe(armed.set)
+    reader = loop.run_in_executor(None, read_gdb)
+    echo = None
+    try:
+        armed_wait = asyncio.ensure_future(armed.wait())
+        await asyncio.wait([armed_wait, reader], timeout=60,
+                           return_when=asyncio.FIRST_COMPLETED)
+        armed_wait.cancel()
+        if not armed.is_set():
+            pytest.skip("gdb could not set the breakpoint in the victim:\n" + "".join(lines))
+        await asyncio.sleep(0.2)  # past gdb's "continue"
+        echo = asyncio.ensure_future(victim.roundtrip(small))
+        await asyncio.wait_for(reader, 30)
+        out = "".join(lines)
+        victim.peer.proc.wait(5)
+        if "uct_mm_ep_am_bcopy" not in out:
+            pytest.skip(f"gdb did not stop the victim in the shm FIFO write:\n{out}")
+        for _ in range(5):
+            await asyncio.wait_for(survivor.roundtrip(small), KILL_BOUND_S)
+    finally:
+        if dbg.poll() is None:
+            dbg.kill()
+        dbg.wait(5)
+        await asyncio.gather(reader, return_exceptions=True)
+        if echo is not None:
+            echo.cancel()
+            await asyncio.gather(echo, return_exceptions=True)
+        victim.ep.abort()
+        survivor.ep.abort()
 
 
 @pytest.mark.timeout(120)
