@@ -382,7 +382,11 @@ ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep)
                                                   : UCS_ERR_CANCELED;
 
         ucxx_request_cancel_ucx(r, report);
-        ucxx_request_abandon(r, report);
+        if (ep->error != UCS_OK) {
+            /* As in cancel_tracked: only a dead peer may leave UCX holding
+             * r for good; a peer that closed cleanly flushed first. */
+            ucxx_request_abandon(r, report);
+        }
     }
 }
 
