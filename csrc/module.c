@@ -101,7 +101,10 @@ module_exec(PyObject *m)
         intern(&st->s_done, "done") < 0 ||
         intern(&st->s_cancel, "cancel") < 0 ||
         intern(&st->s_blocking, "_asyncio_future_blocking") < 0 ||
-        intern(&st->s_process_events, "_process_events") < 0) {
+        intern(&st->s_process_events, "_process_events") < 0 ||
+        intern(&st->s_closed, "_closed") < 0 ||
+        intern(&st->s_debug, "_debug") < 0 ||
+        intern(&st->s_context, "context") < 0) {
         return -1;
     }
 
@@ -249,6 +252,9 @@ module_clear(PyObject *m)
     Py_CLEAR(st->s_cancel);
     Py_CLEAR(st->s_blocking);
     Py_CLEAR(st->s_process_events);
+    Py_CLEAR(st->s_closed);
+    Py_CLEAR(st->s_debug);
+    Py_CLEAR(st->s_context);
     return 0;
 }
 

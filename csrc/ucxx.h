@@ -109,6 +109,9 @@ typedef struct {
     PyObject *s_cancel;
     PyObject *s_blocking;              /* "_asyncio_future_blocking" */
     PyObject *s_process_events;        /* "_process_events" */
+    PyObject *s_closed;                /* "_closed" */
+    PyObject *s_debug;                 /* "_debug" */
+    PyObject *s_context;               /* "context" */
     /* Dead Requests kept for reuse (linked through next_done): a transfer
      * that completes inside its call costs no allocation. */
     struct RequestObject *req_free;

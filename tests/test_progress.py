@@ -13,6 +13,8 @@ in its poll while a blocking-mode worker is not armed.
 """
 
 import asyncio
+import contextvars
+import sys
 import zlib
 
 import pytest
@@ -268,6 +270,82 @@ async def test_loop_hook_installed_shared_and_removed(mode):
         await asyncio.sleep(0)  # the loop still runs without it
     finally:
         p.close()
+
+
+@pytest.mark.timeout(30)
+async def test_loop_hook_call_soon_behaves_as_the_loops_own():
+    """The hook's C call_soon (installed with it on loops that keep
+    BaseEventLoop.call_soon) returns the same Handles, honours context and
+    cancel, leaves debug mode, a closed loop and bad arguments to the loop's
+    own method, and is removed with the hook."""
+    loop = asyncio.get_running_loop()
+    _selector_loop_or_skip(loop)
+    var = contextvars.ContextVar("var", default="unset")
+    p = Pair("tcp", "blocking")
+    try:
+        p.a.start(loop)
+        ours = vars(loop).get("call_soon")
+        assert ours is not None and type(ours).__name__ == "builtin_function_or_method"
+        got = []
+        h = loop.call_soon(got.append, 1)
+        assert type(h) is asyncio.Handle
+        assert (h._callback, h._args, h._loop, h._cancelled, h._repr,
+                h._source_traceback) == (got.append, (1,), loop, False, None, None)
+        assert isinstance(h._context, contextvars.Context)
+        loop.call_soon(got.append, 2).cancel()
+        ctx = contextvars.copy_context()
+        ctx.run(var.set, "given")
+        loop.call_soon(lambda: got.append(var.get()), context=ctx)
+        token = var.set("current")
+        loop.call_soon(lambda: got.append(var.get()))
+        var.reset(token)
+        loop.call_soon(lambda *a: got.append(a), 3, 4, 5)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert got == [1, "given", "current", (3, 4, 5)]
+        with pytest.raises(TypeError, match="unexpected keyword"):
+            loop.call_soon(got.append, 1, bogus=1)
+        with pytest.raises(TypeError):
+            loop.call_soon()
+        loop.set_debug(True)
+        try:
+            h = loop.call_soon(got.append, 6)
+            assert h._source_traceback  # the loop's own method, debug mode
+        finally:
+            loop.set_debug(False)
+        await asyncio.sleep(0)
+        assert got[-1] == 6
+        marker = object()
+        before = sys.getrefcount(marker)
+        for _ in range(1000):
+            loop.call_soon(len, (marker,))
+            loop.call_soon(len, (marker,), context=ctx).cancel()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert sys.getrefcount(marker) == before
+        p.close()
+        assert "call_soon" not in vars(loop)
+    finally:
+        p.close()
+
+
+def test_loop_hook_call_soon_on_a_closed_loop():
+    """Once the loop is closed, call_soon raises the loop's RuntimeError."""
+    loop = asyncio.new_event_loop()
+    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
+        loop.close()
+        pytest.skip("the loop hook serves stdlib selector loops only")
+    p = Pair("tcp", "blocking")
+    try:
+        p.a.start(loop)
+        assert "call_soon" in vars(loop)
+        loop.close()
+        with pytest.raises(RuntimeError, match="closed"):
+            loop.call_soon(print)
+    finally:
+        p.close()
+        if not loop.is_closed():
+            loop.close()
 
 
 @pytest.mark.timeout(30)
