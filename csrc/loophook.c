@@ -286,6 +286,19 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
     }
 }
 
+/* Drop what our call_soon holds (it then defers to nothing: removed). */
+static void
+clear_call_soon(LoopHookObject *h)
+{
+    Py_CLEAR(h->loop);
+    Py_CLEAR(h->ready_append);
+    Py_CLEAR(h->orig_call_soon);
+    Py_CLEAR(h->call_soon);
+    for (int i = 0; i < 7; i++) {
+        Py_CLEAR(h->handle_slot[i]);
+    }
+}
+
 /* Put our call_soon on the loop when its class keeps BaseEventLoop's
  * call_soon and _call_soon (a subclass may do more there). */
 static void
@@ -321,9 +334,7 @@ install_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
         h->call_soon == NULL ||
         PyObject_SetAttr(loop, st->s_call_soon, h->call_soon) < 0) {
         PyErr_Clear();
-        Py_CLEAR(h->ready_append);
-        Py_CLEAR(h->orig_call_soon);
-        Py_CLEAR(h->call_soon);
+        clear_call_soon(h);
         return;
     }
     h->loop = Py_NewRef(loop);
@@ -348,13 +359,7 @@ remove_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
         Py_DECREF(dict);
     }
     PyErr_Clear();
-    Py_CLEAR(h->loop);
-    Py_CLEAR(h->ready_append);
-    Py_CLEAR(h->orig_call_soon);
-    Py_CLEAR(h->call_soon);
-    for (int i = 0; i < 7; i++) {
-        Py_CLEAR(h->handle_slot[i]);
-    }
+    clear_call_soon(h);
 }
 
 /* The loop's hook if it has ours (new reference), else NULL (no error). */
@@ -486,13 +491,7 @@ LoopHook_clear(LoopHookObject *h)
 {
     Py_CLEAR(h->orig);
     Py_CLEAR(h->workers);
-    Py_CLEAR(h->loop);
-    Py_CLEAR(h->ready_append);
-    Py_CLEAR(h->orig_call_soon);
-    Py_CLEAR(h->call_soon);
-    for (int i = 0; i < 7; i++) {
-        Py_CLEAR(h->handle_slot[i]);
-    }
+    clear_call_soon(h);
     return 0;
 }
 
