@@ -143,11 +143,7 @@ cancel_tracked(EndpointObject *ep, ucs_status_t report)
         if (r->endpoint == ep &&
             (r->kind == UCXX_REQ_RECV || r->kind == UCXX_REQ_STREAM_RECV ||
              r->kind == UCXX_REQ_GATHER_RECV)) {
-            ucxx_request_cancel_ucx(r, report);
-            if (report != UCS_ERR_CANCELED) {
-                /* A dead peer: UCX may never finish what it holds. */
-                ucxx_request_abandon(r, report);
-            }
+            ucxx_request_cancel_for_endpoint(r, report);
         }
     }
     while (!ucxx_list_empty(&ep->am_waiters)) {

@@ -217,8 +217,8 @@ hook_call_soon(PyObject *self, PyObject *const *args, Py_ssize_t nargs,
         !attr_is_false(h->loop, st->s_closed) ||
         !attr_is_false(h->loop, st->s_debug)) {
         PyErr_Clear();
-        if (h->orig_call_soon == NULL) {
-            PyErr_SetString(PyExc_RuntimeError, "event loop hook removed");
+        if (h->orig_call_soon == NULL) { /* only after tp_clear */
+            PyErr_SetString(PyExc_RuntimeError, "event loop hook cleared");
             return NULL;
         }
         return PyObject_Vectorcall(h->orig_call_soon, args, nargs, kwnames);
@@ -286,7 +286,7 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
     }
 }
 
-/* Drop what our call_soon holds (it then defers to nothing: removed). */
+/* Drop what our call_soon holds. */
 static void
 clear_call_soon(LoopHookObject *h)
 {
@@ -341,7 +341,9 @@ install_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
     find_handle_slots(st, h);
 }
 
-/* Take our call_soon off the loop (if it is still there). */
+/* Take our call_soon off the loop (if it is still there).  What it holds
+ * stays until the hook goes, so that a reference taken while it was
+ * installed (`cs = loop.call_soon`) keeps working. */
 static void
 remove_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
 {
@@ -359,7 +361,6 @@ remove_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
         Py_DECREF(dict);
     }
     PyErr_Clear();
-    clear_call_soon(h);
 }
 
 /* The loop's hook if it has ours (new reference), else NULL (no error). */

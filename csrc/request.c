@@ -328,14 +328,27 @@ ucxx_request_dispatch(RequestObject *r)
  * nor be cancelled).  Its buffers, its place on worker->pending and its
  * self reference stay until UCX completes those operations, at the latest
  * when the worker closes.  Call it once every operation of r is posted. */
-void
-ucxx_request_abandon(RequestObject *r, ucs_status_t status)
+static void
+request_abandon(RequestObject *r, ucs_status_t status)
 {
     if (r->status != UCS_INPROGRESS || r->npending == 0) {
         return;
     }
     r->abandoned = 1;
     request_settle(r, status);
+}
+
+/* r's endpoint is closed or failed: cancel what UCX holds of r, reporting
+ * `report`.  After a peer error (anything but UCS_ERR_CANCELED, which is
+ * our own close or the peer's clean one: both flush first) UCX may never
+ * finish what it still holds, so r is abandoned too. */
+void
+ucxx_request_cancel_for_endpoint(RequestObject *r, ucs_status_t report)
+{
+    ucxx_request_cancel_ucx(r, report);
+    if (report != UCS_ERR_CANCELED) {
+        request_abandon(r, report);
+    }
 }
 
 /* ---- posting single operations ---------------------------------------- */
@@ -378,15 +391,8 @@ ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep)
 {
     if (ep != NULL && (ep->error != UCS_OK || ep->peer_closed) &&
         r->npending) {
-        ucs_status_t report = ep->error != UCS_OK ? ep->error
-                                                  : UCS_ERR_CANCELED;
-
-        ucxx_request_cancel_ucx(r, report);
-        if (ep->error != UCS_OK) {
-            /* As in cancel_tracked: only a dead peer may leave UCX holding
-             * r for good; a peer that closed cleanly flushed first. */
-            ucxx_request_abandon(r, report);
-        }
+        ucxx_request_cancel_for_endpoint(
+            r, ep->error != UCS_OK ? ep->error : UCS_ERR_CANCELED);
     }
 }
 

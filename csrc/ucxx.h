@@ -420,7 +420,7 @@ RequestObject *ucxx_request_with_buffer(WorkerObject *w, EndpointObject *ep,
                                         int kind, PyObject *buf,
                                         int writable);
 void ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep);
-void ucxx_request_abandon(RequestObject *r, ucs_status_t status);
+void ucxx_request_cancel_for_endpoint(RequestObject *r, ucs_status_t report);
 int ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp);
 void ucxx_request_finish_posting(RequestObject *r);
 void ucxx_request_dispatch(RequestObject *r);

@@ -323,8 +323,13 @@ async def test_loop_hook_call_soon_behaves_as_the_loops_own():
         await asyncio.sleep(0)
         await asyncio.sleep(0)
         assert sys.getrefcount(marker) == before
+        kept = loop.call_soon
         p.close()
         assert "call_soon" not in vars(loop)
+        # A reference taken while it was installed still schedules.
+        kept(got.append, 8)
+        await asyncio.sleep(0)
+        assert got[-1] == 8
     finally:
         p.close()
 
