@@ -27,8 +27,14 @@
  * schedule through loop.call_soon).  A closed loop, debug mode or an
  * unexpected keyword go to the loop's own method, with its checks and
  * errors.  It is removed with the hook.
+ *
+ * On Python 3.11 such loops also get a C _run_once (the loop iteration):
+ * iterations without timers, outside debug mode, run in C (select, the
+ * hook, the ready callbacks, each inline in its context as Handle._run
+ * does); the others run the loop's own method.  Removed with the hook.
  */
 #include "ucxx.h"
+#include <sys/epoll.h>
 
 typedef struct {
     PyObject_HEAD
@@ -45,6 +51,13 @@ typedef struct {
      * when its __slots__ are the ones its __init__ below sets (else NULL:
      * Handles are made by calling the class) */
     PyObject *handle_slot[7];
+    /* Our _run_once (NULL: not installed), see install_run_once. */
+    PyObject *run_once;       /* strong: ours, installed on the loop */
+    PyObject *orig_run_once;  /* strong: the loop's own bound _run_once */
+    PyObject *ready;          /* strong: loop._ready (a deque) */
+    PyObject *ready_popleft;  /* strong: loop._ready.popleft */
+    PyObject *epoll_selector; /* strong: selectors.EpollSelector, or NULL */
+    PyObject *heappop;        /* strong: heapq.heappop */
 } LoopHookObject;
 
 /* asyncio.Handle.__slots__ without __weakref__. */
@@ -286,10 +299,437 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
     }
 }
 
-/* Drop what our call_soon holds. */
+/* ---- _run_once ------------------------------------------------------------
+ *
+ * BaseEventLoop._run_once (Python 3.11) in C, for the iterations that have
+ * no timer scheduled and run outside debug mode: select with timeout 0 if
+ * callbacks are ready or the loop is stopping (else block), hand the events
+ * to _process_events (the hook), move timers that _process_events may have
+ * scheduled and that are due to the ready queue, then run the callbacks
+ * that were ready at that point.  Iterations with timers or in debug mode
+ * run the loop's own method.  An EpollSelector is polled directly (what
+ * its select() does); other selectors through their select(). */
+
+#define EV_READ 1   /* selectors.EVENT_READ */
+#define EV_WRITE 2  /* selectors.EVENT_WRITE */
+
+/* A Handle slot's value (new reference), through its member descriptor. */
+static PyObject *
+slot_get(LoopHookObject *h, PyObject *handle, int i)
+{
+    PyObject *d = h->handle_slot[i];
+
+    return Py_TYPE(d)->tp_descr_get(d, handle, (PyObject *)Py_TYPE(handle));
+}
+
+/* Handle._run's `except BaseException` branch: tell the loop's exception
+ * handler about exc. */
+static int
+report_callback_error(LoopHookObject *h, PyObject *handle, PyObject *cb,
+                      PyObject *cbargs, PyObject *exc)
+{
+    PyObject *fh, *src = NULL, *ctx = NULL, *tb = NULL, *loop = NULL;
+    PyObject *res = NULL;
+    int rc = -1;
+
+    fh = PyImport_ImportModule("asyncio.format_helpers");
+    if (fh == NULL) {
+        return -1;
+    }
+    src = PyObject_CallMethod(fh, "_format_callback_source", "OO", cb,
+                              cbargs);
+    if (src == NULL) {
+        goto done;
+    }
+    ctx = Py_BuildValue("{s:N,s:O,s:O}", "message",
+                        PyUnicode_FromFormat("Exception in callback %S", src),
+                        "exception", exc, "handle", handle);
+    tb = slot_get(h, handle, H_TB);
+    loop = slot_get(h, handle, H_LOOP);
+    if (ctx == NULL || tb == NULL || loop == NULL) {
+        goto done;
+    }
+    switch (PyObject_IsTrue(tb)) {
+    case 1:
+        if (PyDict_SetItemString(ctx, "source_traceback", tb) < 0) {
+            goto done;
+        }
+        break;
+    case -1:
+        goto done;
+    }
+    res = PyObject_CallMethod(loop, "call_exception_handler", "O", ctx);
+    rc = res == NULL ? -1 : 0;
+done:
+    Py_XDECREF(res);
+    Py_XDECREF(loop);
+    Py_XDECREF(tb);
+    Py_XDECREF(ctx);
+    Py_XDECREF(src);
+    Py_DECREF(fh);
+    return rc;
+}
+
+/* handle._run(); inline for asyncio.Handle itself.  -1: an exception to
+ * propagate (SystemExit, KeyboardInterrupt, or the handler's own). */
+static int
+run_handle(LoopHookObject *h, ucxx_state *st, PyObject *handle)
+{
+    PyObject *cb = NULL, *cbargs = NULL, *ctx = NULL, *res, *exc;
+    int rc = -1;
+
+    if (!Py_IS_TYPE(handle, (PyTypeObject *)st->Handle) ||
+        h->handle_slot[0] == NULL) {
+        res = PyObject_CallMethodNoArgs(handle, st->s_run);
+        Py_XDECREF(res);
+        return res == NULL ? -1 : 0;
+    }
+    cb = slot_get(h, handle, H_CALLBACK);
+    cbargs = cb == NULL ? NULL : slot_get(h, handle, H_ARGS);
+    ctx = cbargs == NULL ? NULL : slot_get(h, handle, H_CONTEXT);
+    if (ctx == NULL) {
+        goto done;
+    }
+    if (!PyTuple_CheckExact(cbargs)) { /* unusual: its own _run */
+        res = PyObject_CallMethodNoArgs(handle, st->s_run);
+        rc = res == NULL ? -1 : 0;
+        Py_XDECREF(res);
+        goto done;
+    }
+    if (PyContext_Enter(ctx) < 0) {
+        res = NULL;
+    } else {
+        /* what Context.run does */
+        res = PyObject_Call(cb, cbargs, NULL);
+        if (PyContext_Exit(ctx) < 0) {
+            Py_CLEAR(res);
+        }
+    }
+    if (res != NULL) {
+        Py_DECREF(res);
+        rc = 0;
+        goto done;
+    }
+    exc = PyErr_GetRaisedException_compat();
+    if (PyErr_GivenExceptionMatches(exc, PyExc_SystemExit) ||
+        PyErr_GivenExceptionMatches(exc, PyExc_KeyboardInterrupt)) {
+        PyErr_SetRaisedException_compat(exc);
+        goto done;
+    }
+    rc = report_callback_error(h, handle, cb, cbargs, exc);
+    Py_DECREF(exc);
+done:
+    Py_XDECREF(cb);
+    Py_XDECREF(cbargs);
+    Py_XDECREF(ctx);
+    return rc;
+}
+
+/* selector.select(timeout) with timeout 0 (busy) or None: the event list,
+ * or NULL with an exception. */
+static PyObject *
+hook_select(LoopHookObject *h, ucxx_state *st, PyObject *loop, int busy)
+{
+    PyObject *sel, *dict, *fd_to_key = NULL, *ep = NULL, *polled = NULL;
+    PyObject *ready = NULL;
+    Py_ssize_t i, n;
+
+    sel = PyObject_GetAttr(loop, st->s_selector);
+    if (sel == NULL) {
+        return NULL;
+    }
+    if (h->epoll_selector == NULL ||
+        !Py_IS_TYPE(sel, (PyTypeObject *)h->epoll_selector)) {
+        goto generic;
+    }
+    dict = PyObject_GenericGetDict(sel, NULL);
+    if (dict == NULL) {
+        goto error;
+    }
+    n = PyDict_Contains(dict, st->s_select); /* patched on the instance */
+    Py_DECREF(dict);
+    if (n != 0) {
+        if (n < 0) {
+            goto error;
+        }
+        goto generic;
+    }
+    fd_to_key = PyObject_GetAttr(sel, st->s_fd_to_key);
+    ep = fd_to_key == NULL ? NULL : PyObject_GetAttr(sel, st->s_selector);
+    if (ep == NULL) {
+        goto error;
+    }
+    if (!PyDict_Check(fd_to_key)) {
+        Py_CLEAR(fd_to_key);
+        Py_CLEAR(ep);
+        goto generic;
+    }
+    {
+        PyObject *args[3] = {ep, PyLong_FromLong(busy ? 0 : -1),
+                             PyLong_FromSsize_t(PyDict_GET_SIZE(fd_to_key) > 1 ?
+                                                PyDict_GET_SIZE(fd_to_key) : 1)};
+
+        polled = args[1] == NULL || args[2] == NULL ? NULL :
+            PyObject_VectorcallMethod(st->s_poll, args,
+                                      3 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                      NULL);
+        Py_XDECREF(args[1]);
+        Py_XDECREF(args[2]);
+    }
+    if (polled == NULL) {
+        if (PyErr_ExceptionMatches(PyExc_InterruptedError)) {
+            PyErr_Clear();
+            ready = PyList_New(0);
+        }
+        goto done;
+    }
+    if (!PyList_Check(polled)) {
+        PyErr_SetString(PyExc_TypeError, "epoll.poll() returned a non-list");
+        goto done;
+    }
+    ready = PyList_New(0);
+    for (i = 0; ready != NULL && i < PyList_GET_SIZE(polled); i++) {
+        PyObject *item = PyList_GET_ITEM(polled, i), *key, *kev, *pair;
+        long ev, events = 0, want;
+
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
+            PyErr_SetString(PyExc_TypeError, "epoll.poll(): bad event");
+            Py_CLEAR(ready);
+            break;
+        }
+        ev = PyLong_AsLong(PyTuple_GET_ITEM(item, 1));
+        if (ev == -1 && PyErr_Occurred()) {
+            Py_CLEAR(ready);
+            break;
+        }
+        if (ev & ~EPOLLIN) {
+            events |= EV_WRITE;
+        }
+        if (ev & ~EPOLLOUT) {
+            events |= EV_READ;
+        }
+        key = PyDict_GetItemWithError(fd_to_key, PyTuple_GET_ITEM(item, 0));
+        if (key == NULL) {
+            if (PyErr_Occurred()) {
+                Py_CLEAR(ready);
+            }
+            continue;
+        }
+        /* key.events: SelectorKey(fileobj, fd, events, data) */
+        if (PyTuple_Check(key) && PyTuple_GET_SIZE(key) == 4) {
+            want = PyLong_AsLong(PyTuple_GET_ITEM(key, 2));
+        } else {
+            kev = PyObject_GetAttrString(key, "events");
+            want = kev == NULL ? -1 : PyLong_AsLong(kev);
+            Py_XDECREF(kev);
+        }
+        if (want == -1 && PyErr_Occurred()) {
+            Py_CLEAR(ready);
+            break;
+        }
+        kev = PyLong_FromLong(events & want);
+        pair = kev == NULL ? NULL : PyTuple_Pack(2, key, kev);
+        Py_XDECREF(kev);
+        if (pair == NULL || PyList_Append(ready, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_CLEAR(ready);
+            break;
+        }
+        Py_DECREF(pair);
+    }
+    goto done;
+generic: {
+        PyObject *t = busy ? PyLong_FromLong(0) : Py_NewRef(Py_None);
+
+        ready = t == NULL ? NULL :
+            PyObject_CallMethodOneArg(sel, st->s_select, t);
+        Py_XDECREF(t);
+        goto done;
+    }
+error:
+    ready = NULL;
+done:
+    Py_XDECREF(polled);
+    Py_XDECREF(ep);
+    Py_XDECREF(fd_to_key);
+    Py_DECREF(sel);
+    return ready;
+}
+
+/* Timers that _process_events scheduled (a reader's callback may): the
+ * due ones go to the ready queue, as _run_once's "later" step does. */
+static int
+move_due_timers(LoopHookObject *h, PyObject *loop, PyObject *scheduled)
+{
+    PyObject *now, *res, *end;
+    int rc = -1;
+
+    now = PyObject_CallMethod(loop, "time", NULL);
+    res = now == NULL ? NULL : PyObject_GetAttrString(loop, "_clock_resolution");
+    end = res == NULL ? NULL : PyNumber_Add(now, res);
+    Py_XDECREF(now);
+    Py_XDECREF(res);
+    if (end == NULL) {
+        return -1;
+    }
+    while (PyList_GET_SIZE(scheduled) > 0) {
+        PyObject *first = PyList_GET_ITEM(scheduled, 0), *when, *handle;
+        int due;
+
+        when = PyObject_GetAttrString(first, "_when");
+        due = when == NULL ? -1 : PyObject_RichCompareBool(when, end, Py_LT);
+        Py_XDECREF(when);
+        if (due <= 0) {
+            rc = due;
+            goto done;
+        }
+        handle = PyObject_CallOneArg(h->heappop, scheduled);
+        if (handle == NULL ||
+            PyObject_SetAttrString(handle, "_scheduled", Py_False) < 0) {
+            Py_XDECREF(handle);
+            goto done;
+        }
+        res = PyObject_CallOneArg(h->ready_append, handle);
+        Py_DECREF(handle);
+        if (res == NULL) {
+            goto done;
+        }
+        Py_DECREF(res);
+    }
+    rc = 0;
+done:
+    Py_DECREF(end);
+    return rc;
+}
+
+/* Whether loop.<name> is a list with no item (-1: error set). */
+static int
+attr_is_empty_list(PyObject *loop, PyObject *name)
+{
+    PyObject *v = PyObject_GetAttr(loop, name);
+    int rc;
+
+    if (v == NULL) {
+        return -1;
+    }
+    rc = PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0;
+    Py_DECREF(v);
+    return rc;
+}
+
+/* loop._run_once() */
+static PyObject *
+hook_run_once(PyObject *self, PyObject *unused)
+{
+    LoopHookObject *h = (LoopHookObject *)self;
+    ucxx_state *st = ucxx_state_of(self);
+    PyObject *loop = h->loop, *events, *res = NULL, *v;
+    Py_ssize_t ntodo, i;
+    int busy;
+
+    if (h->orig_run_once == NULL) { /* only after tp_clear */
+        PyErr_SetString(PyExc_RuntimeError, "event loop hook cleared");
+        return NULL;
+    }
+    Py_INCREF(self); /* a callback may remove the hook */
+    Py_INCREF(loop);
+    switch (attr_is_empty_list(loop, st->s_scheduled)) {
+    case 0:
+        goto own;
+    case -1:
+        goto done;
+    }
+    if (!attr_is_false(loop, st->s_debug)) {
+        goto own;
+    }
+    busy = PyObject_Size(h->ready) > 0;
+    if (!busy) {
+        v = PyObject_GetAttr(loop, st->s_stopping);
+        busy = v == NULL ? -1 : PyObject_IsTrue(v);
+        Py_XDECREF(v);
+        if (busy < 0) {
+            goto done;
+        }
+    }
+    events = hook_select(h, st, loop, busy);
+    if (events == NULL) {
+        goto done;
+    }
+    v = PyObject_CallMethodOneArg(loop, st->s_process_events, events);
+    Py_DECREF(events);
+    if (v == NULL) {
+        goto done;
+    }
+    Py_DECREF(v);
+    v = PyObject_GetAttr(loop, st->s_scheduled);
+    if (v == NULL) {
+        goto done;
+    }
+    if (PyList_Check(v) && PyList_GET_SIZE(v) > 0 &&
+        move_due_timers(h, loop, v) < 0) {
+        Py_DECREF(v);
+        goto done;
+    }
+    Py_DECREF(v);
+    /* Run what is ready now; what those callbacks schedule waits. */
+    ntodo = PyObject_Size(h->ready);
+    for (i = 0; i < ntodo; i++) {
+        PyObject *handle = PyObject_CallNoArgs(h->ready_popleft);
+        int cancelled;
+
+        if (handle == NULL) {
+            goto done;
+        }
+        v = PyObject_TypeCheck(handle, (PyTypeObject *)st->Handle) &&
+            h->handle_slot[0] != NULL ?
+            slot_get(h, handle, H_CANCELLED) :
+            PyObject_GetAttrString(handle, "_cancelled");
+        cancelled = v == NULL ? -1 : PyObject_IsTrue(v);
+        Py_XDECREF(v);
+        if (cancelled == 0 && run_handle(h, st, handle) < 0) {
+            cancelled = -1;
+        }
+        Py_DECREF(handle);
+        if (cancelled < 0) {
+            goto done;
+        }
+    }
+    if (ntodo >= 0) {
+        res = Py_NewRef(Py_None);
+    }
+    goto done;
+own:
+    res = PyObject_CallNoArgs(h->orig_run_once);
+done:
+    Py_DECREF(loop);
+    Py_DECREF(self);
+    return res;
+}
+
+static PyMethodDef hook_run_once_def = {
+    "_run_once", (PyCFunction)hook_run_once, METH_NOARGS,
+    "_run_once()\n--\n\n"
+    "BaseEventLoop._run_once in C for iterations without timers outside\n"
+    "debug mode (installed by ucxx's loop hook).",
+};
+
+/* Drop what our _run_once holds. */
+static void
+clear_run_once(LoopHookObject *h)
+{
+    Py_CLEAR(h->run_once);
+    Py_CLEAR(h->orig_run_once);
+    Py_CLEAR(h->ready);
+    Py_CLEAR(h->ready_popleft);
+    Py_CLEAR(h->epoll_selector);
+    Py_CLEAR(h->heappop);
+}
+
+/* Drop what our call_soon (and _run_once, which needs it) holds. */
 static void
 clear_call_soon(LoopHookObject *h)
 {
+    clear_run_once(h);
     Py_CLEAR(h->loop);
     Py_CLEAR(h->ready_append);
     Py_CLEAR(h->orig_call_soon);
@@ -299,26 +739,94 @@ clear_call_soon(LoopHookObject *h)
     }
 }
 
+/* Whether type(loop).<name> is BaseEventLoop.<name> (errors: no). */
+static int
+keeps_base(ucxx_state *st, PyObject *loop, PyObject *name)
+{
+    PyObject *mine = PyObject_GetAttr((PyObject *)Py_TYPE(loop), name);
+    PyObject *base = PyObject_GetAttr(st->BaseEventLoop, name);
+    int same = mine != NULL && mine == base;
+
+    Py_XDECREF(mine);
+    Py_XDECREF(base);
+    PyErr_Clear();
+    return same;
+}
+
+/* A module attribute (new reference), or NULL (error set). */
+static PyObject *
+module_attr(const char *module, const char *name)
+{
+    PyObject *m = PyImport_ImportModule(module), *v;
+
+    if (m == NULL) {
+        return NULL;
+    }
+    v = PyObject_GetAttrString(m, name);
+    Py_DECREF(m);
+    return v;
+}
+
+/* Put our _run_once on the loop, after our call_soon: on Python 3.11,
+ * whose _run_once it follows, when the loop runs BaseEventLoop._run_once
+ * and its ready queue is a deque. */
+static void
+install_run_once(ucxx_state *st, LoopHookObject *h, PyObject *loop)
+{
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
+    PyObject *deque, *base;
+    int ok;
+
+    /* loop._run_once must be BaseEventLoop's, bound to the loop (not a
+     * subclass's, nor one already patched onto the instance) */
+    h->orig_run_once = PyObject_GetAttr(loop, st->s_run_once);
+    base = PyObject_GetAttr(st->BaseEventLoop, st->s_run_once);
+    ok = h->orig_run_once != NULL && base != NULL &&
+         PyMethod_Check(h->orig_run_once) &&
+         PyMethod_GET_FUNCTION(h->orig_run_once) == base &&
+         PyMethod_GET_SELF(h->orig_run_once) == loop;
+    Py_XDECREF(base);
+    if (!ok) {
+        PyErr_Clear();
+        clear_run_once(h);
+        return;
+    }
+    deque = module_attr("collections", "deque");
+    h->ready = PyObject_GetAttrString(loop, "_ready");
+    ok = deque != NULL && h->ready != NULL && Py_IS_TYPE(h->ready,
+                                                         (PyTypeObject *)deque);
+    Py_XDECREF(deque);
+    if (ok) {
+        h->ready_popleft = PyObject_GetAttrString(h->ready, "popleft");
+        h->heappop = module_attr("heapq", "heappop");
+        h->epoll_selector = module_attr("selectors", "EpollSelector");
+        PyErr_Clear(); /* no epoll: every selector goes through select() */
+        h->run_once = PyCMethod_New(&hook_run_once_def, (PyObject *)h, NULL,
+                                    NULL);
+        ok = h->ready_popleft != NULL && h->heappop != NULL &&
+             h->orig_run_once != NULL && h->run_once != NULL &&
+             PyObject_SetAttr(loop, st->s_run_once, h->run_once) == 0;
+    }
+    if (!ok) {
+        PyErr_Clear();
+        clear_run_once(h);
+    }
+#endif
+}
+
 /* Put our call_soon on the loop when its class keeps BaseEventLoop's
  * call_soon and _call_soon (a subclass may do more there). */
 static void
 install_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
 {
-    static const char *names[] = {"call_soon", "_call_soon"};
-    PyObject *ready;
+    PyObject *ready, *name = PyUnicode_InternFromString("_call_soon");
+    int same = name != NULL && keeps_base(st, loop, st->s_call_soon) &&
+               keeps_base(st, loop, name);
 
-    for (size_t i = 0; i < 2; i++) {
-        PyObject *mine = PyObject_GetAttrString((PyObject *)Py_TYPE(loop),
-                                                names[i]);
-        PyObject *base = PyObject_GetAttrString(st->BaseEventLoop, names[i]);
-        int same = mine != NULL && mine == base;
-
-        Py_XDECREF(mine);
-        Py_XDECREF(base);
-        if (!same) {
-            PyErr_Clear();
-            return;
-        }
+    Py_XDECREF(name);
+    if (!same) {
+        PyErr_Clear();
+        return;
     }
     ready = PyObject_GetAttrString(loop, "_ready");
     if (ready == NULL) {
@@ -339,23 +847,24 @@ install_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
     }
     h->loop = Py_NewRef(loop);
     find_handle_slots(st, h);
+    install_run_once(st, h, loop);
 }
 
-/* Take our call_soon off the loop (if it is still there).  What it holds
- * stays until the hook goes, so that a reference taken while it was
- * installed (`cs = loop.call_soon`) keeps working. */
+/* Take our method `mine` off the loop's `name` (if it is still there).
+ * What it holds stays until the hook goes, so that a reference taken while
+ * it was installed (`cs = loop.call_soon`) keeps working. */
 static void
-remove_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
+remove_method(PyObject *loop, PyObject *name, PyObject *mine)
 {
     PyObject *dict, *cur;
 
-    if (h->call_soon == NULL) {
+    if (mine == NULL) {
         return;
     }
     dict = PyObject_GenericGetDict(loop, NULL);
     if (dict != NULL) {
-        cur = PyDict_GetItemWithError(dict, st->s_call_soon);
-        if (cur == h->call_soon && PyDict_DelItem(dict, st->s_call_soon) < 0) {
+        cur = PyDict_GetItemWithError(dict, name);
+        if (cur == mine && PyDict_DelItem(dict, name) < 0) {
             PyErr_Clear();
         }
         Py_DECREF(dict);
@@ -429,6 +938,8 @@ ucxx_loophook_add(PyObject *loop, WorkerObject *w)
         h->workers = PyList_New(0);
         h->loop = h->ready_append = h->orig_call_soon = h->call_soon = NULL;
         memset(h->handle_slot, 0, sizeof(h->handle_slot));
+        h->run_once = h->orig_run_once = h->ready = h->ready_popleft = NULL;
+        h->epoll_selector = h->heappop = NULL;
         PyObject_GC_Track(h);
         if (h->workers == NULL ||
             PyObject_SetAttr(loop, st->s_process_events, (PyObject *)h) < 0) {
@@ -463,7 +974,8 @@ ucxx_loophook_remove(PyObject *hook, PyObject *loop, WorkerObject *w)
     if (PyList_GET_SIZE(h->workers) > 0) {
         return;
     }
-    remove_call_soon(st, h, loop);
+    remove_method(loop, st->s_run_once, h->run_once);
+    remove_method(loop, st->s_call_soon, h->call_soon);
     cur = hook_of(st, loop);
     if (cur == h && PyObject_DelAttr(loop, st->s_process_events) < 0) {
         PyErr_Clear();
@@ -484,6 +996,12 @@ LoopHook_traverse(LoopHookObject *h, visitproc visit, void *arg)
     for (int i = 0; i < 7; i++) {
         Py_VISIT(h->handle_slot[i]);
     }
+    Py_VISIT(h->run_once);
+    Py_VISIT(h->orig_run_once);
+    Py_VISIT(h->ready);
+    Py_VISIT(h->ready_popleft);
+    Py_VISIT(h->epoll_selector);
+    Py_VISIT(h->heappop);
     return 0;
 }
 

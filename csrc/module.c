@@ -104,7 +104,15 @@ module_exec(PyObject *m)
         intern(&st->s_process_events, "_process_events") < 0 ||
         intern(&st->s_closed, "_closed") < 0 ||
         intern(&st->s_debug, "_debug") < 0 ||
-        intern(&st->s_context, "context") < 0) {
+        intern(&st->s_context, "context") < 0 ||
+        intern(&st->s_run_once, "_run_once") < 0 ||
+        intern(&st->s_run, "_run") < 0 ||
+        intern(&st->s_scheduled, "_scheduled") < 0 ||
+        intern(&st->s_stopping, "_stopping") < 0 ||
+        intern(&st->s_selector, "_selector") < 0 ||
+        intern(&st->s_fd_to_key, "_fd_to_key") < 0 ||
+        intern(&st->s_poll, "poll") < 0 ||
+        intern(&st->s_select, "select") < 0) {
         return -1;
     }
 
@@ -254,6 +262,14 @@ module_clear(PyObject *m)
     Py_CLEAR(st->s_process_events);
     Py_CLEAR(st->s_closed);
     Py_CLEAR(st->s_debug);
+    Py_CLEAR(st->s_run_once);
+    Py_CLEAR(st->s_run);
+    Py_CLEAR(st->s_scheduled);
+    Py_CLEAR(st->s_stopping);
+    Py_CLEAR(st->s_selector);
+    Py_CLEAR(st->s_fd_to_key);
+    Py_CLEAR(st->s_poll);
+    Py_CLEAR(st->s_select);
     Py_CLEAR(st->s_context);
     return 0;
 }

@@ -112,6 +112,14 @@ typedef struct {
     PyObject *s_closed;                /* "_closed" */
     PyObject *s_debug;                 /* "_debug" */
     PyObject *s_context;               /* "context" */
+    PyObject *s_run_once;              /* "_run_once" */
+    PyObject *s_run;                   /* "_run" */
+    PyObject *s_scheduled;             /* "_scheduled" */
+    PyObject *s_stopping;              /* "_stopping" */
+    PyObject *s_selector;              /* "_selector" */
+    PyObject *s_fd_to_key;             /* "_fd_to_key" */
+    PyObject *s_poll;                  /* "poll" */
+    PyObject *s_select;                /* "select" */
     /* Dead Requests kept for reuse (linked through next_done): a transfer
      * that completes inside its call costs no allocation. */
     struct RequestObject *req_free;

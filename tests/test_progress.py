@@ -14,7 +14,10 @@ in its poll while a blocking-mode worker is not armed.
 
 import asyncio
 import contextvars
+import logging
+import selectors
 import sys
+import time
 import zlib
 
 import pytest
@@ -332,6 +335,171 @@ async def test_loop_hook_call_soon_behaves_as_the_loops_own():
         assert got[-1] == 8
     finally:
         p.close()
+
+
+def _loop_scenario(loop):
+    """Callbacks, timers, cancellation, callback errors, contexts, stop,
+    KeyboardInterrupt, debug mode and a timer scheduled while the loop
+    selects, run on `loop`; returns what they logged."""
+    log, errors, slow = [], [], []
+    var = contextvars.ContextVar("var", default="unset")
+    loop.set_exception_handler(lambda lp, c: errors.append(
+        (sorted(c), c["message"], type(c["exception"]).__name__,
+         type(c["handle"]).__name__)))
+
+    def a():
+        log.append("a")
+        loop.call_soon(log.append, "scheduled by a")
+
+    def bad():
+        raise ValueError("in a callback")
+
+    def interrupt():
+        raise KeyboardInterrupt
+
+    def run(*callbacks):
+        """Queue the callbacks and a stop, run the loop until it stops."""
+        for cb in callbacks:
+            loop.call_soon(*cb) if isinstance(cb, tuple) else loop.call_soon(cb)
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+
+    async def task():
+        for i in range(3):
+            log.append(f"task {i}")
+            await asyncio.sleep(0)
+        await asyncio.sleep(0.3)  # "later" (0.05 s) fires in between
+        log.append("task end")
+
+    # With timers (the loop's own iterations) ...
+    loop.call_soon(a)
+    loop.call_soon(log.append, "b")
+    loop.call_soon(log.append, "cancelled").cancel()
+    loop.call_later(0.05, log.append, "later")
+    loop.call_at(loop.time() - 1, log.append, "past")
+    loop.call_later(0.002, log.append, "timer cancelled").cancel()
+    for _ in range(150):  # more than half of them cancelled: the clean-up
+        loop.call_later(60, log.append, "never").cancel()
+    loop.run_until_complete(task())
+    # ... and without: what was ready when an iteration began runs in it
+    # (also after a stop); what that schedules waits for the next.
+    assert not loop._scheduled
+    ctx = contextvars.copy_context()
+    ctx.run(var.set, "given")
+    token = var.set("current")
+    loop.call_soon(lambda: log.append(var.get()))
+    var.reset(token)
+    loop.call_soon(lambda: log.append(var.get()), context=ctx)
+    loop.call_soon(log.append, "cancelled 2").cancel()
+    run(a, bad, (log.append, "after bad"), (log.append, "after stop"))
+    log.append("stopped")
+    run((lambda *args: log.append(args), 1, 2, 3))
+    # KeyboardInterrupt leaves the iteration; the rest stays queued
+    loop.call_soon(interrupt)
+    loop.call_soon(log.append, "left queued")
+    try:
+        loop.run_forever()
+    except KeyboardInterrupt:
+        log.append("KeyboardInterrupt")
+    run()
+    # a due timer scheduled while the loop selects runs in that iteration
+    sel = loop._selector
+    plain_select = sel.select
+    armed = []
+
+    def select(timeout=None):
+        if armed:
+            armed.clear()
+            loop.call_at(loop.time() - 1, log.append, "timer from select")
+        return plain_select(timeout)
+
+    def x():
+        log.append("x")
+        loop.call_soon(y)
+        armed.append(1)
+
+    def y():
+        log.append("y")
+        loop.stop()
+
+    sel.select = select
+    try:
+        loop.call_soon(x)
+        loop.run_forever()
+        log.append("stopped after y")
+    finally:
+        del sel.select
+    run()
+    # debug mode: the loop's own iteration, with its slow-callback warning
+    handler = logging.Handler()
+    handler.emit = lambda rec: slow.append(rec.getMessage().startswith("Executing"))
+    logging.getLogger("asyncio").addHandler(handler)
+    loop.set_debug(True)
+    loop.slow_callback_duration = 0.0
+    try:
+        run((time.sleep, 0.001))
+    finally:
+        loop.set_debug(False)
+        logging.getLogger("asyncio").removeHandler(handler)
+    run()
+    return log, errors, any(slow)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("selector", ["epoll", "select"])
+def test_loop_hook_run_once_behaves_as_the_loops_own(selector):
+    """On a loop whose class keeps BaseEventLoop._run_once (Python 3.11), the
+    hook's C _run_once runs the iterations without timers; what callbacks,
+    timers, errors, stop and debug mode do is the same as on a plain loop of
+    the same kind. It is removed with the hook."""
+    make = {"epoll": selectors.EpollSelector, "select": selectors.SelectSelector}
+    plain = asyncio.SelectorEventLoop(make[selector]())
+    try:
+        expected = _loop_scenario(plain)
+    finally:
+        plain.close()
+    loop = asyncio.SelectorEventLoop(make[selector]())
+    p = Pair("tcp", "blocking")
+    try:
+        p.a.start(loop)
+        p.b.start(loop)
+        ours = vars(loop).get("_run_once")
+        if sys.version_info[:2] != (3, 11):
+            assert ours is None
+        else:
+            assert type(ours).__name__ == "builtin_function_or_method"
+        assert _loop_scenario(loop) == expected
+        log, errors, slow = expected
+        assert log[log.index("current"):log.index("stopped")] == [
+            "current", "given", "a", "after bad", "after stop"]
+        assert log[log.index("x"):log.index("stopped after y")] == [
+            "x", "y", "timer from select"]
+        assert "cancelled" not in log and "cancelled 2" not in log
+        assert log.index("left queued") > log.index("KeyboardInterrupt")
+        assert errors == [(["exception", "handle", "message"], errors[0][1],
+                           "ValueError", "Handle")]
+        assert errors[0][1].startswith("Exception in callback ")
+        assert slow
+        # the worker's fd is served through the hook's iteration
+        for i in range(50):
+            got = bytearray(4)
+            r = p.b.tag_recv(got, 7)
+            loop.run_until_complete(asyncio.wait_for(p.ab.tag_send(b"%4d" % i, 7), 5))
+            assert loop.run_until_complete(asyncio.wait_for(r, 5)) == 4
+        # no reference is left behind by the handles it ran
+        marker = object()
+        before = sys.getrefcount(marker)
+        for _ in range(1000):
+            loop.call_soon(len, (marker,))
+            loop.call_soon(len, (marker,)).cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        assert sys.getrefcount(marker) == before
+        p.close()
+        assert "_run_once" not in vars(loop)
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        p.close()
+        loop.close()
 
 
 def test_loop_hook_call_soon_on_a_closed_loop():
