@@ -26,7 +26,8 @@
  * that every task wake-up otherwise costs (asyncio's futures and tasks
  * schedule through loop.call_soon).  A closed loop, debug mode or an
  * unexpected keyword go to the loop's own method, with its checks and
- * errors.  It is removed with the hook.
+ * errors.  It is removed with the hook, as is the C get_debug put there
+ * with it (asyncio asks it for every future and task it creates).
  *
  * On Python 3.11 such loops also get a C _run_once (the loop iteration):
  * iterations without timers, outside debug mode, run in C (select, the
@@ -51,6 +52,8 @@ typedef struct {
      * when its __slots__ are the ones its __init__ below sets (else NULL:
      * Handles are made by calling the class) */
     PyObject *handle_slot[7];
+    Py_ssize_t slot_offset[7];   /* where those slots are in a Handle */
+    PyObject *get_debug;      /* strong: ours, installed on the loop */
     /* Our _run_once (NULL: not installed), see install_run_once. */
     PyObject *run_once;       /* strong: ours, installed on the loop */
     PyObject *orig_run_once;  /* strong: the loop's own bound _run_once */
@@ -201,13 +204,9 @@ new_handle(LoopHookObject *h, ucxx_state *st, PyObject *callback,
     values[H_REPR] = Py_None;
     values[H_CONTEXT] = ctx;
     for (int i = 0; i < 7; i++) {
-        PyObject *d = h->handle_slot[i];
-
-        if (Py_TYPE(d)->tp_descr_set(d, handle, values[i]) < 0) {
-            Py_DECREF(ctx);
-            Py_DECREF(handle);
-            return NULL;
-        }
+        /* a new object's slots are NULL: what the descriptors' set does */
+        *(PyObject **)((char *)handle + h->slot_offset[i]) =
+            Py_NewRef(values[i]);
     }
     Py_DECREF(ctx);
     return handle;
@@ -267,8 +266,29 @@ static PyMethodDef hook_call_soon_def = {
     "BaseEventLoop.call_soon in C (installed by ucxx's loop hook).",
 };
 
+/* loop.get_debug(): BaseEventLoop.get_debug (`return self._debug`) in C;
+ * asyncio's futures and tasks ask it each time one is created. */
+static PyObject *
+hook_get_debug(PyObject *self, PyObject *unused)
+{
+    LoopHookObject *h = (LoopHookObject *)self;
+
+    if (h->loop == NULL) { /* only after tp_clear */
+        PyErr_SetString(PyExc_RuntimeError, "event loop hook cleared");
+        return NULL;
+    }
+    return PyObject_GetAttr(h->loop, ucxx_state_of(self)->s_debug);
+}
+
+static PyMethodDef hook_get_debug_def = {
+    "get_debug", (PyCFunction)hook_get_debug, METH_NOARGS,
+    "get_debug()\n--\n\n"
+    "BaseEventLoop.get_debug in C (installed by ucxx's loop hook).",
+};
+
 /* h->handle_slot[]: asyncio.Handle's member descriptors, if its __slots__
- * are exactly HANDLE_SLOTS plus __weakref__ (else all NULL). */
+ * are exactly HANDLE_SLOTS plus __weakref__, plain writable object slots
+ * (else all NULL); h->slot_offset[]: their offsets. */
 static void
 find_handle_slots(ucxx_state *st, LoopHookObject *h)
 {
@@ -286,6 +306,12 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
         h->handle_slot[i] = ok ? PyObject_GetItem(dict, name) : NULL;
         ok = ok && h->handle_slot[i] != NULL &&
              Py_IS_TYPE(h->handle_slot[i], &PyMemberDescr_Type);
+        if (ok) {
+            PyMemberDef *m = ((PyMemberDescrObject *)h->handle_slot[i])->d_member;
+
+            ok = m->type == T_OBJECT_EX && !(m->flags & READONLY);
+            h->slot_offset[i] = m->offset;
+        }
         Py_XDECREF(name);
     }
     Py_XDECREF(slots);
@@ -313,13 +339,20 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
 #define EV_READ 1   /* selectors.EVENT_READ */
 #define EV_WRITE 2  /* selectors.EVENT_WRITE */
 
-/* A Handle slot's value (new reference), through its member descriptor. */
+/* A slot of a Handle (or of a subclass's instance): its value (new
+ * reference), what the member descriptor's get returns. */
 static PyObject *
 slot_get(LoopHookObject *h, PyObject *handle, int i)
 {
-    PyObject *d = h->handle_slot[i];
+    PyObject *v = *(PyObject **)((char *)handle + h->slot_offset[i]);
 
-    return Py_TYPE(d)->tp_descr_get(d, handle, (PyObject *)Py_TYPE(handle));
+    if (v == NULL) {
+        PyErr_Format(PyExc_AttributeError, "'%.100s' object has no "
+                     "attribute '%s'", Py_TYPE(handle)->tp_name,
+                     HANDLE_SLOTS[i]);
+        return NULL;
+    }
+    return Py_NewRef(v);
 }
 
 /* Handle._run's `except BaseException` branch: tell the loop's exception
@@ -602,28 +635,13 @@ done:
     return rc;
 }
 
-/* Whether loop.<name> is a list with no item (-1: error set). */
-static int
-attr_is_empty_list(PyObject *loop, PyObject *name)
-{
-    PyObject *v = PyObject_GetAttr(loop, name);
-    int rc;
-
-    if (v == NULL) {
-        return -1;
-    }
-    rc = PyList_CheckExact(v) && PyList_GET_SIZE(v) == 0;
-    Py_DECREF(v);
-    return rc;
-}
-
 /* loop._run_once() */
 static PyObject *
 hook_run_once(PyObject *self, PyObject *unused)
 {
     LoopHookObject *h = (LoopHookObject *)self;
     ucxx_state *st = ucxx_state_of(self);
-    PyObject *loop = h->loop, *events, *res = NULL, *v;
+    PyObject *loop = h->loop, *scheduled, *events, *res = NULL, *v;
     Py_ssize_t ntodo, i;
     int busy;
 
@@ -631,15 +649,14 @@ hook_run_once(PyObject *self, PyObject *unused)
         PyErr_SetString(PyExc_RuntimeError, "event loop hook cleared");
         return NULL;
     }
+    scheduled = PyObject_GetAttr(loop, st->s_scheduled);
+    if (scheduled == NULL) {
+        return NULL;
+    }
     Py_INCREF(self); /* a callback may remove the hook */
     Py_INCREF(loop);
-    switch (attr_is_empty_list(loop, st->s_scheduled)) {
-    case 0:
-        goto own;
-    case -1:
-        goto done;
-    }
-    if (!attr_is_false(loop, st->s_debug)) {
+    if (!PyList_CheckExact(scheduled) || PyList_GET_SIZE(scheduled) > 0 ||
+        !attr_is_false(loop, st->s_debug)) {
         goto own;
     }
     busy = PyObject_Size(h->ready) > 0;
@@ -661,16 +678,11 @@ hook_run_once(PyObject *self, PyObject *unused)
         goto done;
     }
     Py_DECREF(v);
-    v = PyObject_GetAttr(loop, st->s_scheduled);
-    if (v == NULL) {
+    /* (only the loop's own _run_once replaces the list) */
+    if (PyList_GET_SIZE(scheduled) > 0 &&
+        move_due_timers(h, loop, scheduled) < 0) {
         goto done;
     }
-    if (PyList_Check(v) && PyList_GET_SIZE(v) > 0 &&
-        move_due_timers(h, loop, v) < 0) {
-        Py_DECREF(v);
-        goto done;
-    }
-    Py_DECREF(v);
     /* Run what is ready now; what those callbacks schedule waits. */
     ntodo = PyObject_Size(h->ready);
     for (i = 0; i < ntodo; i++) {
@@ -701,6 +713,7 @@ hook_run_once(PyObject *self, PyObject *unused)
 own:
     res = PyObject_CallNoArgs(h->orig_run_once);
 done:
+    Py_DECREF(scheduled);
     Py_DECREF(loop);
     Py_DECREF(self);
     return res;
@@ -734,6 +747,7 @@ clear_call_soon(LoopHookObject *h)
     Py_CLEAR(h->ready_append);
     Py_CLEAR(h->orig_call_soon);
     Py_CLEAR(h->call_soon);
+    Py_CLEAR(h->get_debug);
     for (int i = 0; i < 7; i++) {
         Py_CLEAR(h->handle_slot[i]);
     }
@@ -847,6 +861,15 @@ install_call_soon(ucxx_state *st, LoopHookObject *h, PyObject *loop)
     }
     h->loop = Py_NewRef(loop);
     find_handle_slots(st, h);
+    if (keeps_base(st, loop, st->s_get_debug)) {
+        h->get_debug = PyCMethod_New(&hook_get_debug_def, (PyObject *)h,
+                                     NULL, NULL);
+        if (h->get_debug == NULL ||
+            PyObject_SetAttr(loop, st->s_get_debug, h->get_debug) < 0) {
+            PyErr_Clear();
+            Py_CLEAR(h->get_debug);
+        }
+    }
     install_run_once(st, h, loop);
 }
 
@@ -937,6 +960,7 @@ ucxx_loophook_add(PyObject *loop, WorkerObject *w)
         h->orig_is_base = orig_is_base(st, orig);
         h->workers = PyList_New(0);
         h->loop = h->ready_append = h->orig_call_soon = h->call_soon = NULL;
+        h->get_debug = NULL;
         memset(h->handle_slot, 0, sizeof(h->handle_slot));
         h->run_once = h->orig_run_once = h->ready = h->ready_popleft = NULL;
         h->epoll_selector = h->heappop = NULL;
@@ -976,6 +1000,7 @@ ucxx_loophook_remove(PyObject *hook, PyObject *loop, WorkerObject *w)
     }
     remove_method(loop, st->s_run_once, h->run_once);
     remove_method(loop, st->s_call_soon, h->call_soon);
+    remove_method(loop, st->s_get_debug, h->get_debug);
     cur = hook_of(st, loop);
     if (cur == h && PyObject_DelAttr(loop, st->s_process_events) < 0) {
         PyErr_Clear();
@@ -993,6 +1018,7 @@ LoopHook_traverse(LoopHookObject *h, visitproc visit, void *arg)
     Py_VISIT(h->ready_append);
     Py_VISIT(h->orig_call_soon);
     Py_VISIT(h->call_soon);
+    Py_VISIT(h->get_debug);
     for (int i = 0; i < 7; i++) {
         Py_VISIT(h->handle_slot[i]);
     }

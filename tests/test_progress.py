@@ -280,7 +280,7 @@ async def test_loop_hook_call_soon_behaves_as_the_loops_own():
     """The hook's C call_soon (installed with it on loops that keep
     BaseEventLoop.call_soon) returns the same Handles, honours context and
     cancel, leaves debug mode, a closed loop and bad arguments to the loop's
-    own method, and is removed with the hook."""
+    own method, and is removed with the hook; so is its C get_debug."""
     loop = asyncio.get_running_loop()
     _selector_loop_or_skip(loop)
     var = contextvars.ContextVar("var", default="unset")
@@ -310,10 +310,13 @@ async def test_loop_hook_call_soon_behaves_as_the_loops_own():
             loop.call_soon(got.append, 1, bogus=1)
         with pytest.raises(TypeError):
             loop.call_soon()
+        assert "get_debug" in vars(loop) and loop.get_debug() is False
         loop.set_debug(True)
         try:
+            assert loop.get_debug() is True
             h = loop.call_soon(got.append, 6)
             assert h._source_traceback  # the loop's own method, debug mode
+            assert loop.create_future()._source_traceback
         finally:
             loop.set_debug(False)
         await asyncio.sleep(0)
@@ -328,7 +331,7 @@ async def test_loop_hook_call_soon_behaves_as_the_loops_own():
         assert sys.getrefcount(marker) == before
         kept = loop.call_soon
         p.close()
-        assert "call_soon" not in vars(loop)
+        assert "call_soon" not in vars(loop) and "get_debug" not in vars(loop)
         # A reference taken while it was installed still schedules.
         kept(got.append, 8)
         await asyncio.sleep(0)
