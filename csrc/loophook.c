@@ -35,6 +35,7 @@
  * does); the others run the loop's own method.  Removed with the hook.
  */
 #include "ucxx.h"
+#include <math.h>
 #include <sys/epoll.h>
 
 typedef struct {
@@ -61,6 +62,10 @@ typedef struct {
     PyObject *ready_popleft;  /* strong: loop._ready.popleft */
     PyObject *epoll_selector; /* strong: selectors.EpollSelector, or NULL */
     PyObject *heappop;        /* strong: heapq.heappop */
+    PyObject *monotonic;      /* strong: time.monotonic (= loop.time) */
+    PyObject *max_timeout;    /* strong: base_events.MAXIMUM_SELECT_TIMEOUT */
+    Py_ssize_t min_timers;    /* base_events._MIN_SCHEDULED_TIMER_HANDLES */
+    double cancelled_fraction; /* _MIN_CANCELLED_TIMER_HANDLES_FRACTION */
 } LoopHookObject;
 
 /* asyncio.Handle.__slots__ without __weakref__. */
@@ -327,14 +332,15 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
 
 /* ---- _run_once ------------------------------------------------------------
  *
- * BaseEventLoop._run_once (Python 3.11) in C, for the iterations that have
- * no timer scheduled and run outside debug mode: select with timeout 0 if
- * callbacks are ready or the loop is stopping (else block), hand the events
- * to _process_events (the hook), move timers that _process_events may have
- * scheduled and that are due to the ready queue, then run the callbacks
- * that were ready at that point.  Iterations with timers or in debug mode
- * run the loop's own method.  An EpollSelector is polled directly (what
- * its select() does); other selectors through their select(). */
+ * BaseEventLoop._run_once (Python 3.11) in C, outside debug mode: select
+ * with timeout 0 if callbacks are ready or the loop is stopping, else until
+ * the first timer is due (or without limit), hand the events to
+ * _process_events (the hook), move the timers that are due to the ready
+ * queue, then run the callbacks that were ready at that point.  An
+ * iteration that starts in debug mode, or with cancelled timers to drop
+ * (the first timer cancelled, or the clean-up of many), runs the loop's own
+ * method.  An EpollSelector is polled directly (what its select() does);
+ * other selectors through their select(). */
 
 #define EV_READ 1   /* selectors.EVENT_READ */
 #define EV_WRITE 2  /* selectors.EVENT_WRITE */
@@ -458,10 +464,11 @@ done:
     return rc;
 }
 
-/* selector.select(timeout) with timeout 0 (busy) or None: the event list,
- * or NULL with an exception. */
+/* selector.select(timeout) (None, 0 or seconds): the event list, or NULL
+ * with an exception. */
 static PyObject *
-hook_select(LoopHookObject *h, ucxx_state *st, PyObject *loop, int busy)
+hook_select(LoopHookObject *h, ucxx_state *st, PyObject *loop,
+            PyObject *timeout)
 {
     PyObject *sel, *dict, *fd_to_key = NULL, *ep = NULL, *polled = NULL;
     PyObject *ready = NULL;
@@ -498,9 +505,17 @@ hook_select(LoopHookObject *h, ucxx_state *st, PyObject *loop, int busy)
         goto generic;
     }
     {
-        PyObject *args[3] = {ep, PyLong_FromLong(busy ? 0 : -1),
-                             PyLong_FromSsize_t(PyDict_GET_SIZE(fd_to_key) > 1 ?
-                                                PyDict_GET_SIZE(fd_to_key) : 1)};
+        /* EpollSelector.select's timeout: -1 for None, 0 for <= 0, else
+         * rounded up to the millisecond */
+        double t = timeout == Py_None ? -1.0 : PyFloat_AsDouble(timeout);
+        PyObject *args[3] = {
+            ep,
+            t == -1.0 && PyErr_Occurred() ? NULL :
+            timeout == Py_None ? PyLong_FromLong(-1) :
+            t <= 0 ? PyLong_FromLong(0) :
+            PyFloat_FromDouble(ceil(t * 1e3) * 1e-3),
+            PyLong_FromSsize_t(PyDict_GET_SIZE(fd_to_key) > 1 ?
+                               PyDict_GET_SIZE(fd_to_key) : 1)};
 
         polled = args[1] == NULL || args[2] == NULL ? NULL :
             PyObject_VectorcallMethod(st->s_poll, args,
@@ -571,14 +586,9 @@ hook_select(LoopHookObject *h, ucxx_state *st, PyObject *loop, int busy)
         Py_DECREF(pair);
     }
     goto done;
-generic: {
-        PyObject *t = busy ? PyLong_FromLong(0) : Py_NewRef(Py_None);
-
-        ready = t == NULL ? NULL :
-            PyObject_CallMethodOneArg(sel, st->s_select, t);
-        Py_XDECREF(t);
-        goto done;
-    }
+generic:
+    ready = PyObject_CallMethodOneArg(sel, st->s_select, timeout);
+    goto done;
 error:
     ready = NULL;
 done:
@@ -589,15 +599,15 @@ done:
     return ready;
 }
 
-/* Timers that _process_events scheduled (a reader's callback may): the
- * due ones go to the ready queue, as _run_once's "later" step does. */
+/* The "later" step of _run_once: timers that are due go to the ready
+ * queue. */
 static int
 move_due_timers(LoopHookObject *h, PyObject *loop, PyObject *scheduled)
 {
     PyObject *now, *res, *end;
     int rc = -1;
 
-    now = PyObject_CallMethod(loop, "time", NULL);
+    now = PyObject_CallNoArgs(h->monotonic);
     res = now == NULL ? NULL : PyObject_GetAttrString(loop, "_clock_resolution");
     end = res == NULL ? NULL : PyNumber_Add(now, res);
     Py_XDECREF(now);
@@ -635,13 +645,85 @@ done:
     return rc;
 }
 
+/* Whether _run_once's first step (dropping cancelled timers) has nothing
+ * to do: fewer than min_timers timers or not enough of them cancelled (the
+ * clean-up), and the first one live.  0: it has (the loop's own method
+ * does it); -1: error set. */
+static int
+timers_simple(LoopHookObject *h, ucxx_state *st, PyObject *loop,
+              PyObject *scheduled)
+{
+    Py_ssize_t n = PyList_GET_SIZE(scheduled);
+    PyObject *v;
+    int rc;
+
+    if (n == 0) {
+        return 1;
+    }
+    if (n > h->min_timers) {
+        double count;
+
+        v = PyObject_GetAttrString(loop, "_timer_cancelled_count");
+        count = v == NULL ? -1.0 : PyFloat_AsDouble(v);
+        Py_XDECREF(v);
+        if (count == -1.0 && PyErr_Occurred()) {
+            return -1;
+        }
+        if (count / (double)n > h->cancelled_fraction) {
+            return 0;
+        }
+    }
+    v = PyList_GET_ITEM(scheduled, 0);
+    v = PyObject_TypeCheck(v, (PyTypeObject *)st->Handle) &&
+        h->handle_slot[0] != NULL ? slot_get(h, v, H_CANCELLED) :
+        PyObject_GetAttrString(v, "_cancelled");
+    rc = v == NULL ? -1 : PyObject_IsTrue(v);
+    Py_XDECREF(v);
+    return rc < 0 ? -1 : !rc;
+}
+
+/* min(max(0, first._when - loop.time()), MAXIMUM_SELECT_TIMEOUT), as
+ * _run_once computes it (new reference). */
+static PyObject *
+select_timeout(LoopHookObject *h, PyObject *scheduled)
+{
+    PyObject *when, *now, *t, *zero = NULL;
+    int gt;
+
+    when = PyObject_GetAttrString(PyList_GET_ITEM(scheduled, 0), "_when");
+    now = when == NULL ? NULL : PyObject_CallNoArgs(h->monotonic);
+    t = now == NULL ? NULL : PyNumber_Subtract(when, now);
+    Py_XDECREF(when);
+    Py_XDECREF(now);
+    if (t == NULL || (zero = PyLong_FromLong(0)) == NULL) {
+        Py_XDECREF(t);
+        return NULL;
+    }
+    gt = PyObject_RichCompareBool(t, zero, Py_GT); /* max(0, t) */
+    if (gt <= 0) {
+        Py_SETREF(t, zero);
+        zero = NULL;
+        if (gt < 0) {
+            Py_CLEAR(t);
+        }
+    }
+    Py_XDECREF(zero);
+    if (t != NULL) {
+        gt = PyObject_RichCompareBool(h->max_timeout, t, Py_LT); /* min() */
+        if (gt != 0) {
+            Py_SETREF(t, gt > 0 ? Py_NewRef(h->max_timeout) : NULL);
+        }
+    }
+    return t;
+}
+
 /* loop._run_once() */
 static PyObject *
 hook_run_once(PyObject *self, PyObject *unused)
 {
     LoopHookObject *h = (LoopHookObject *)self;
     ucxx_state *st = ucxx_state_of(self);
-    PyObject *loop = h->loop, *scheduled, *events, *res = NULL, *v;
+    PyObject *loop = h->loop, *scheduled, *timeout, *events, *res = NULL, *v;
     Py_ssize_t ntodo, i;
     int busy;
 
@@ -655,9 +737,14 @@ hook_run_once(PyObject *self, PyObject *unused)
     }
     Py_INCREF(self); /* a callback may remove the hook */
     Py_INCREF(loop);
-    if (!PyList_CheckExact(scheduled) || PyList_GET_SIZE(scheduled) > 0 ||
-        !attr_is_false(loop, st->s_debug)) {
+    if (!PyList_CheckExact(scheduled) || !attr_is_false(loop, st->s_debug)) {
         goto own;
+    }
+    switch (timers_simple(h, st, loop, scheduled)) {
+    case 0:
+        goto own;
+    case -1:
+        goto done;
     }
     busy = PyObject_Size(h->ready) > 0;
     if (!busy) {
@@ -668,7 +755,14 @@ hook_run_once(PyObject *self, PyObject *unused)
             goto done;
         }
     }
-    events = hook_select(h, st, loop, busy);
+    timeout = busy ? PyLong_FromLong(0) :
+        PyList_GET_SIZE(scheduled) > 0 ? select_timeout(h, scheduled) :
+        Py_NewRef(Py_None);
+    if (timeout == NULL) {
+        goto done;
+    }
+    events = hook_select(h, st, loop, timeout);
+    Py_DECREF(timeout);
     if (events == NULL) {
         goto done;
     }
@@ -722,8 +816,8 @@ done:
 static PyMethodDef hook_run_once_def = {
     "_run_once", (PyCFunction)hook_run_once, METH_NOARGS,
     "_run_once()\n--\n\n"
-    "BaseEventLoop._run_once in C for iterations without timers outside\n"
-    "debug mode (installed by ucxx's loop hook).",
+    "BaseEventLoop._run_once in C outside debug mode (installed by ucxx's\n"
+    "loop hook).",
 };
 
 /* Drop what our _run_once holds. */
@@ -736,6 +830,8 @@ clear_run_once(LoopHookObject *h)
     Py_CLEAR(h->ready_popleft);
     Py_CLEAR(h->epoll_selector);
     Py_CLEAR(h->heappop);
+    Py_CLEAR(h->monotonic);
+    Py_CLEAR(h->max_timeout);
 }
 
 /* Drop what our call_soon (and _run_once, which needs it) holds. */
@@ -782,8 +878,9 @@ module_attr(const char *module, const char *name)
 }
 
 /* Put our _run_once on the loop, after our call_soon: on Python 3.11,
- * whose _run_once it follows, when the loop runs BaseEventLoop._run_once
- * and its ready queue is a deque. */
+ * whose _run_once it follows, when the loop runs BaseEventLoop._run_once,
+ * its class keeps BaseEventLoop.time (time.monotonic) and its ready queue
+ * is a deque. */
 static void
 install_run_once(ucxx_state *st, LoopHookObject *h, PyObject *loop)
 {
@@ -810,6 +907,24 @@ install_run_once(ucxx_state *st, LoopHookObject *h, PyObject *loop)
     ok = deque != NULL && h->ready != NULL && Py_IS_TYPE(h->ready,
                                                          (PyTypeObject *)deque);
     Py_XDECREF(deque);
+    ok = ok && keeps_base(st, loop, st->s_time);
+    if (ok) {
+        PyObject *n = module_attr("asyncio.base_events",
+                                  "_MIN_SCHEDULED_TIMER_HANDLES");
+        PyObject *f = n == NULL ? NULL :
+            module_attr("asyncio.base_events",
+                        "_MIN_CANCELLED_TIMER_HANDLES_FRACTION");
+
+        h->min_timers = n == NULL ? -1 : PyLong_AsSsize_t(n);
+        h->cancelled_fraction = f == NULL ? -1.0 : PyFloat_AsDouble(f);
+        Py_XDECREF(n);
+        Py_XDECREF(f);
+        h->max_timeout = module_attr("asyncio.base_events",
+                                     "MAXIMUM_SELECT_TIMEOUT");
+        h->monotonic = module_attr("time", "monotonic");
+        ok = !PyErr_Occurred() && h->max_timeout != NULL &&
+             h->monotonic != NULL;
+    }
     if (ok) {
         h->ready_popleft = PyObject_GetAttrString(h->ready, "popleft");
         h->heappop = module_attr("heapq", "heappop");
@@ -930,15 +1045,18 @@ orig_is_base(ucxx_state *st, PyObject *bound)
 
 /* Serve w's loop fd through loop's hook (installed on first use). Returns
  * the hook (new reference), or NULL without an exception when the loop is
- * not a stdlib selector loop (the worker then relies on its reader). */
+ * not a stdlib selector loop or UCXX_LOOP_HOOK=0 is set (the worker then
+ * relies on its reader). */
 PyObject *
 ucxx_loophook_add(PyObject *loop, WorkerObject *w)
 {
     ucxx_state *st = ucxx_state_of((PyObject *)w);
+    const char *env = getenv("UCXX_LOOP_HOOK");
     LoopHookObject *h;
     PyObject *orig;
 
-    if (PyObject_IsInstance(loop, st->BaseSelectorEventLoop) != 1) {
+    if ((env != NULL && strcmp(env, "0") == 0) ||
+        PyObject_IsInstance(loop, st->BaseSelectorEventLoop) != 1) {
         PyErr_Clear();
         return NULL;
     }
@@ -963,7 +1081,8 @@ ucxx_loophook_add(PyObject *loop, WorkerObject *w)
         h->get_debug = NULL;
         memset(h->handle_slot, 0, sizeof(h->handle_slot));
         h->run_once = h->orig_run_once = h->ready = h->ready_popleft = NULL;
-        h->epoll_selector = h->heappop = NULL;
+        h->epoll_selector = h->heappop = h->monotonic = NULL;
+        h->max_timeout = NULL;
         PyObject_GC_Track(h);
         if (h->workers == NULL ||
             PyObject_SetAttr(loop, st->s_process_events, (PyObject *)h) < 0) {
@@ -1028,6 +1147,8 @@ LoopHook_traverse(LoopHookObject *h, visitproc visit, void *arg)
     Py_VISIT(h->ready_popleft);
     Py_VISIT(h->epoll_selector);
     Py_VISIT(h->heappop);
+    Py_VISIT(h->monotonic);
+    Py_VISIT(h->max_timeout);
     return 0;
 }
 

@@ -107,6 +107,7 @@ module_exec(PyObject *m)
         intern(&st->s_context, "context") < 0 ||
         intern(&st->s_run_once, "_run_once") < 0 ||
         intern(&st->s_get_debug, "get_debug") < 0 ||
+        intern(&st->s_time, "time") < 0 ||
         intern(&st->s_run, "_run") < 0 ||
         intern(&st->s_scheduled, "_scheduled") < 0 ||
         intern(&st->s_stopping, "_stopping") < 0 ||
@@ -265,6 +266,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->s_debug);
     Py_CLEAR(st->s_run_once);
     Py_CLEAR(st->s_get_debug);
+    Py_CLEAR(st->s_time);
     Py_CLEAR(st->s_run);
     Py_CLEAR(st->s_scheduled);
     Py_CLEAR(st->s_stopping);

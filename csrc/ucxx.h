@@ -114,6 +114,7 @@ typedef struct {
     PyObject *s_context;               /* "context" */
     PyObject *s_run_once;              /* "_run_once" */
     PyObject *s_get_debug;             /* "get_debug" */
+    PyObject *s_time;                  /* "time" */
     PyObject *s_run;                   /* "_run" */
     PyObject *s_scheduled;             /* "_scheduled" */
     PyObject *s_stopping;              /* "_stopping" */

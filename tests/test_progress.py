@@ -374,7 +374,9 @@ def _loop_scenario(loop):
         await asyncio.sleep(0.3)  # "later" (0.05 s) fires in between
         log.append("task end")
 
-    # With timers (the loop's own iterations) ...
+    # With timers (due in 0.3 s at most: a select that ignored them would
+    # sleep until something else woke the loop) ...
+    started = time.monotonic()
     loop.call_soon(a)
     loop.call_soon(log.append, "b")
     loop.call_soon(log.append, "cancelled").cancel()
@@ -384,6 +386,11 @@ def _loop_scenario(loop):
     for _ in range(150):  # more than half of them cancelled: the clean-up
         loop.call_later(60, log.append, "never").cancel()
     loop.run_until_complete(task())
+    late = [loop.call_later(d, log.append, f"timer {d}") for d in (0.02, 0.01)]
+    late.append(loop.call_later(0.015, log.append, "cancelled 3"))
+    late[-1].cancel()  # not the first: stays in the heap
+    loop.run_until_complete(asyncio.sleep(0.05))
+    assert time.monotonic() - started < 5.0
     # ... and without: what was ready when an iteration began runs in it
     # (also after a stop); what that schedules waits for the next.
     assert not loop._scheduled
@@ -452,9 +459,9 @@ def _loop_scenario(loop):
 @pytest.mark.parametrize("selector", ["epoll", "select"])
 def test_loop_hook_run_once_behaves_as_the_loops_own(selector):
     """On a loop whose class keeps BaseEventLoop._run_once (Python 3.11), the
-    hook's C _run_once runs the iterations without timers; what callbacks,
-    timers, errors, stop and debug mode do is the same as on a plain loop of
-    the same kind. It is removed with the hook."""
+    hook's C _run_once runs the iterations outside debug mode; what
+    callbacks, timers, errors, stop and debug mode do is the same as on a
+    plain loop of the same kind. It is removed with the hook."""
     make = {"epoll": selectors.EpollSelector, "select": selectors.SelectSelector}
     plain = asyncio.SelectorEventLoop(make[selector]())
     try:
@@ -503,6 +510,28 @@ def test_loop_hook_run_once_behaves_as_the_loops_own(selector):
     finally:
         p.close()
         loop.close()
+
+
+@pytest.mark.timeout(30)
+async def test_loop_hook_off_with_ucxx_loop_hook_0(monkeypatch):
+    """UCXX_LOOP_HOOK=0 leaves the loop untouched: the worker's fd is served
+    by its add_reader callback alone, and transfers still complete."""
+    loop = asyncio.get_running_loop()
+    _selector_loop_or_skip(loop)
+    monkeypatch.setenv("UCXX_LOOP_HOOK", "0")
+    p = Pair("tcp", "blocking")
+    try:
+        p.a.start(loop)
+        p.b.start(loop)
+        for name in ("_process_events", "call_soon", "get_debug", "_run_once"):
+            assert name not in vars(loop)
+        for i in range(20):
+            got = bytearray(4)
+            r = p.b.tag_recv(got, 5)
+            await asyncio.wait_for(p.ab.tag_send(b"%4d" % i, 5), 5)
+            assert await asyncio.wait_for(r, 5) == 4 and got == b"%4d" % i
+    finally:
+        p.close()
 
 
 def test_loop_hook_call_soon_on_a_closed_loop():
