@@ -30,9 +30,10 @@
  * with it (asyncio asks it for every future and task it creates).
  *
  * On Python 3.11 such loops also get a C _run_once (the loop iteration):
- * iterations without timers, outside debug mode, run in C (select, the
- * hook, the ready callbacks, each inline in its context as Handle._run
- * does); the others run the loop's own method.  Removed with the hook.
+ * iterations outside debug mode run in C (select, the hook, the due
+ * timers, the ready callbacks, each inline in its context as Handle._run
+ * does); those in debug mode or with cancelled timers to drop run the
+ * loop's own method.  Removed with the hook.
  */
 #include "ucxx.h"
 #include <math.h>
@@ -49,11 +50,11 @@ typedef struct {
     PyObject *ready_append;   /* strong: loop._ready.append */
     PyObject *orig_call_soon; /* strong: the loop's own bound call_soon */
     PyObject *call_soon;      /* strong: ours, installed on the loop */
-    /* strong: asyncio.Handle's slot descriptors, in HANDLE_SLOTS order,
-     * when its __slots__ are the ones its __init__ below sets (else NULL:
-     * Handles are made by calling the class) */
-    PyObject *handle_slot[7];
-    Py_ssize_t slot_offset[7];   /* where those slots are in a Handle */
+    /* Where asyncio.Handle keeps its slots, in HANDLE_SLOTS order, when
+     * its __slots__ are the ones its __init__ below sets (slots_known;
+     * else Handles are made by calling the class and read by attribute) */
+    int slots_known;
+    Py_ssize_t slot_offset[7];
     PyObject *get_debug;      /* strong: ours, installed on the loop */
     /* Our _run_once (NULL: not installed), see install_run_once. */
     PyObject *run_once;       /* strong: ours, installed on the loop */
@@ -187,7 +188,7 @@ new_handle(LoopHookObject *h, ucxx_state *st, PyObject *callback,
     PyTypeObject *tp = (PyTypeObject *)st->Handle;
     PyObject *handle, *ctx, *values[7];
 
-    if (h->handle_slot[0] == NULL) {
+    if (!h->slots_known) {
         PyObject *hargs[4] = {callback, cbargs, h->loop, context};
 
         return PyObject_Vectorcall(st->Handle, hargs, 4, NULL);
@@ -291,9 +292,9 @@ static PyMethodDef hook_get_debug_def = {
     "BaseEventLoop.get_debug in C (installed by ucxx's loop hook).",
 };
 
-/* h->handle_slot[]: asyncio.Handle's member descriptors, if its __slots__
- * are exactly HANDLE_SLOTS plus __weakref__, plain writable object slots
- * (else all NULL); h->slot_offset[]: their offsets. */
+/* h->slot_offset[]: where asyncio.Handle keeps its slots, if its
+ * __slots__ are exactly HANDLE_SLOTS plus __weakref__, all plain writable
+ * object slots (h->slots_known; else it stays 0). */
 static void
 find_handle_slots(ucxx_state *st, LoopHookObject *h)
 {
@@ -304,30 +305,27 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
              PyTuple_Check(slots) && PyTuple_GET_SIZE(slots) == 8 &&
              PySequence_Contains(slots, weakref) == 1;
 
-    for (int i = 0; i < 7; i++) {
-        PyObject *name = ok ? PyUnicode_FromString(HANDLE_SLOTS[i]) : NULL;
+    for (int i = 0; ok && i < 7; i++) {
+        PyObject *name = PyUnicode_FromString(HANDLE_SLOTS[i]);
+        PyObject *d = NULL;
 
-        ok = name != NULL && PySequence_Contains(slots, name) == 1;
-        h->handle_slot[i] = ok ? PyObject_GetItem(dict, name) : NULL;
-        ok = ok && h->handle_slot[i] != NULL &&
-             Py_IS_TYPE(h->handle_slot[i], &PyMemberDescr_Type);
+        ok = name != NULL && PySequence_Contains(slots, name) == 1 &&
+             (d = PyObject_GetItem(dict, name)) != NULL &&
+             Py_IS_TYPE(d, &PyMemberDescr_Type);
         if (ok) {
-            PyMemberDef *m = ((PyMemberDescrObject *)h->handle_slot[i])->d_member;
+            PyMemberDef *m = ((PyMemberDescrObject *)d)->d_member;
 
             ok = m->type == T_OBJECT_EX && !(m->flags & READONLY);
             h->slot_offset[i] = m->offset;
         }
+        Py_XDECREF(d);
         Py_XDECREF(name);
     }
     Py_XDECREF(slots);
     Py_XDECREF(dict);
     Py_XDECREF(weakref);
     PyErr_Clear();
-    if (!ok) {
-        for (int i = 0; i < 7; i++) {
-            Py_CLEAR(h->handle_slot[i]);
-        }
-    }
+    h->slots_known = ok;
 }
 
 /* ---- _run_once ------------------------------------------------------------
@@ -345,8 +343,8 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
 #define EV_READ 1   /* selectors.EVENT_READ */
 #define EV_WRITE 2  /* selectors.EVENT_WRITE */
 
-/* A slot of a Handle (or of a subclass's instance): its value (new
- * reference), what the member descriptor's get returns. */
+/* A slot of a Handle (or of a subclass's instance; slots_known): its
+ * value (new reference), what the member descriptor's get returns. */
 static PyObject *
 slot_get(LoopHookObject *h, PyObject *handle, int i)
 {
@@ -359,6 +357,20 @@ slot_get(LoopHookObject *h, PyObject *handle, int i)
         return NULL;
     }
     return Py_NewRef(v);
+}
+
+/* handle._cancelled is true: 1, 0, or -1 with an error set. */
+static int
+handle_cancelled(LoopHookObject *h, ucxx_state *st, PyObject *handle)
+{
+    PyObject *v = h->slots_known &&
+        PyObject_TypeCheck(handle, (PyTypeObject *)st->Handle) ?
+        slot_get(h, handle, H_CANCELLED) :
+        PyObject_GetAttrString(handle, "_cancelled");
+    int rc = v == NULL ? -1 : PyObject_IsTrue(v);
+
+    Py_XDECREF(v);
+    return rc;
 }
 
 /* Handle._run's `except BaseException` branch: tell the loop's exception
@@ -417,11 +429,8 @@ run_handle(LoopHookObject *h, ucxx_state *st, PyObject *handle)
     PyObject *cb = NULL, *cbargs = NULL, *ctx = NULL, *res, *exc;
     int rc = -1;
 
-    if (!Py_IS_TYPE(handle, (PyTypeObject *)st->Handle) ||
-        h->handle_slot[0] == NULL) {
-        res = PyObject_CallMethodNoArgs(handle, st->s_run);
-        Py_XDECREF(res);
-        return res == NULL ? -1 : 0;
+    if (!Py_IS_TYPE(handle, (PyTypeObject *)st->Handle) || !h->slots_known) {
+        goto own;
     }
     cb = slot_get(h, handle, H_CALLBACK);
     cbargs = cb == NULL ? NULL : slot_get(h, handle, H_ARGS);
@@ -430,10 +439,7 @@ run_handle(LoopHookObject *h, ucxx_state *st, PyObject *handle)
         goto done;
     }
     if (!PyTuple_CheckExact(cbargs)) { /* unusual: its own _run */
-        res = PyObject_CallMethodNoArgs(handle, st->s_run);
-        rc = res == NULL ? -1 : 0;
-        Py_XDECREF(res);
-        goto done;
+        goto own;
     }
     if (PyContext_Enter(ctx) < 0) {
         res = NULL;
@@ -457,6 +463,11 @@ run_handle(LoopHookObject *h, ucxx_state *st, PyObject *handle)
     }
     rc = report_callback_error(h, handle, cb, cbargs, exc);
     Py_DECREF(exc);
+    goto done;
+own:
+    res = PyObject_CallMethodNoArgs(handle, st->s_run);
+    rc = res == NULL ? -1 : 0;
+    Py_XDECREF(res);
 done:
     Py_XDECREF(cb);
     Py_XDECREF(cbargs);
@@ -673,12 +684,7 @@ timers_simple(LoopHookObject *h, ucxx_state *st, PyObject *loop,
             return 0;
         }
     }
-    v = PyList_GET_ITEM(scheduled, 0);
-    v = PyObject_TypeCheck(v, (PyTypeObject *)st->Handle) &&
-        h->handle_slot[0] != NULL ? slot_get(h, v, H_CANCELLED) :
-        PyObject_GetAttrString(v, "_cancelled");
-    rc = v == NULL ? -1 : PyObject_IsTrue(v);
-    Py_XDECREF(v);
+    rc = handle_cancelled(h, st, PyList_GET_ITEM(scheduled, 0));
     return rc < 0 ? -1 : !rc;
 }
 
@@ -786,12 +792,7 @@ hook_run_once(PyObject *self, PyObject *unused)
         if (handle == NULL) {
             goto done;
         }
-        v = PyObject_TypeCheck(handle, (PyTypeObject *)st->Handle) &&
-            h->handle_slot[0] != NULL ?
-            slot_get(h, handle, H_CANCELLED) :
-            PyObject_GetAttrString(handle, "_cancelled");
-        cancelled = v == NULL ? -1 : PyObject_IsTrue(v);
-        Py_XDECREF(v);
+        cancelled = handle_cancelled(h, st, handle);
         if (cancelled == 0 && run_handle(h, st, handle) < 0) {
             cancelled = -1;
         }
@@ -844,9 +845,7 @@ clear_call_soon(LoopHookObject *h)
     Py_CLEAR(h->orig_call_soon);
     Py_CLEAR(h->call_soon);
     Py_CLEAR(h->get_debug);
-    for (int i = 0; i < 7; i++) {
-        Py_CLEAR(h->handle_slot[i]);
-    }
+    h->slots_known = 0;
 }
 
 /* Whether type(loop).<name> is BaseEventLoop.<name> (errors: no). */
@@ -1079,7 +1078,7 @@ ucxx_loophook_add(PyObject *loop, WorkerObject *w)
         h->workers = PyList_New(0);
         h->loop = h->ready_append = h->orig_call_soon = h->call_soon = NULL;
         h->get_debug = NULL;
-        memset(h->handle_slot, 0, sizeof(h->handle_slot));
+        h->slots_known = 0;
         h->run_once = h->orig_run_once = h->ready = h->ready_popleft = NULL;
         h->epoll_selector = h->heappop = h->monotonic = NULL;
         h->max_timeout = NULL;
@@ -1138,9 +1137,6 @@ LoopHook_traverse(LoopHookObject *h, visitproc visit, void *arg)
     Py_VISIT(h->orig_call_soon);
     Py_VISIT(h->call_soon);
     Py_VISIT(h->get_debug);
-    for (int i = 0; i < 7; i++) {
-        Py_VISIT(h->handle_slot[i]);
-    }
     Py_VISIT(h->run_once);
     Py_VISIT(h->orig_run_once);
     Py_VISIT(h->ready);
