@@ -76,6 +76,27 @@ static const char *HANDLE_SLOTS[7] = {
 };
 enum { H_CALLBACK, H_ARGS, H_CANCELLED, H_LOOP, H_TB, H_REPR, H_CONTEXT };
 
+/* The fd the loop watches for this worker: the worker's event fd in
+ * blocking mode, the progress thread's notify_fd in the thread modes. */
+static int
+worker_loop_fd(WorkerObject *w)
+{
+    if (w->mode == UCXX_MODE_BLOCKING) {
+        return w->efd;
+    }
+    return UCXX_THREADED(w) ? w->notify_fd : -1;
+}
+
+/* That fd's reader. */
+static PyObject *
+worker_on_loop_fd(WorkerObject *w)
+{
+    if (UCXX_THREADED(w)) {
+        return ucxx_worker_on_notify(w, NULL);
+    }
+    return ucxx_worker_on_efd(w, NULL);
+}
+
 static WorkerObject *
 hook_match(LoopHookObject *h, PyObject *event)
 {
@@ -104,7 +125,7 @@ hook_match(LoopHookObject *h, PyObject *event)
     for (i = 0; i < PyList_GET_SIZE(h->workers); i++) {
         WorkerObject *w = (WorkerObject *)PyList_GET_ITEM(h->workers, i);
 
-        if (ucxx_worker_loop_fd(w) == fd) {
+        if (worker_loop_fd(w) == fd) {
             return w;
         }
     }
@@ -148,7 +169,7 @@ LoopHook_call(LoopHookObject *h, PyObject *const *args, size_t nargsf,
         }
         /* The reader may close the worker (a callback it runs): keep it. */
         Py_INCREF(w);
-        res = ucxx_worker_on_loop_fd(w);
+        res = worker_on_loop_fd(w);
         if (res == NULL) {
             PyErr_WriteUnraisable((PyObject *)w);
         }
@@ -1054,7 +1075,7 @@ ucxx_loophook_add(PyObject *loop, WorkerObject *w)
     LoopHookObject *h;
     PyObject *orig;
 
-    if ((env != NULL && strcmp(env, "0") == 0) ||
+    if (env == NULL || strcmp(env, "1") != 0 ||
         PyObject_IsInstance(loop, st->BaseSelectorEventLoop) != 1) {
         PyErr_Clear();
         return NULL;

@@ -25,6 +25,54 @@ ucxx_state_of(PyObject *obj)
     return ucxx_state_from_type(Py_TYPE(obj));
 }
 
+/* throw(typ[, val[, tb]]) of the coroutine protocol, as generators take
+ * it: sets the exception to raise and returns NULL. */
+PyObject *
+ucxx_throw(PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *typ, *val = NULL, *tb = NULL, *exc;
+
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "throw() takes 1 to 3 arguments");
+        return NULL;
+    }
+    typ = args[0];
+    if (nargs > 1 && args[1] != Py_None) {
+        val = args[1];
+    }
+    if (nargs > 2 && args[2] != Py_None) {
+        tb = args[2];
+        if (!PyTraceBack_Check(tb)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "throw() third argument must be a traceback "
+                            "object");
+            return NULL;
+        }
+    }
+    if (PyExceptionInstance_Check(typ)) {
+        if (val != NULL) {
+            PyErr_SetString(PyExc_TypeError,
+                            "instance exception may not have a separate "
+                            "value");
+            return NULL;
+        }
+        PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
+    } else if (PyExceptionClass_Check(typ)) {
+        PyErr_SetObject(typ, val);
+    } else {
+        PyErr_Format(PyExc_TypeError,
+                     "exceptions must be classes or instances deriving from "
+                     "BaseException, not %s", Py_TYPE(typ)->tp_name);
+        return NULL;
+    }
+    if (tb != NULL) {
+        exc = PyErr_GetRaisedException_compat();
+        PyException_SetTraceback(exc, tb);
+        PyErr_SetRaisedException_compat(exc);
+    }
+    return NULL;
+}
+
 PyDoc_STRVAR(get_ucx_version_doc,
 "get_ucx_version($module, /)\n--\n\n"
 "Version (major, minor, release) of the UCX library loaded at run time.");

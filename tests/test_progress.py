@@ -15,7 +15,9 @@ in its poll while a blocking-mode worker is not armed.
 import asyncio
 import contextvars
 import logging
+import os
 import selectors
+import struct
 import sys
 import time
 import zlib
@@ -23,22 +25,28 @@ import zlib
 import pytest
 
 import _peer
+import ucxx
 from _util import (THRESH, BlockingPollProbe, Local, Pair, pingpong, stress)
 
 # leak check (conftest): no fd, task or thread outlives a test; no global
 # context is needed, the tests make their own.
 pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
 
+# None is each mode's default (an adaptive spin, a fixed one in polling
+# mode); spin 0 keeps every await on the sleep path, where a lost wakeup
+# would show.
 CONFIGS = [
     ("blocking", None),
+    ("blocking", 0.0),
     ("polling", None),
     ("blocking", 50.0),
     ("polling", 20.0),
     ("thread", None),
+    ("thread", 0.0),
     ("thread-polling", None),
 ]
-CONFIG_IDS = ["blocking", "polling", "blocking-spin50", "polling-spin20", "thread",
-              "thread-polling"]
+CONFIG_IDS = ["blocking", "blocking-spin0", "polling", "blocking-spin50", "polling-spin20",
+              "thread", "thread-spin0", "thread-polling"]
 NSTREAMS = 6
 NMSGS = 400
 NPINGPONG = 200
@@ -589,3 +597,202 @@ async def test_woken_task_runs_in_the_iteration_of_its_fd_event(tl):
     finally:
         vars(sel).pop("select", None)
         p.close()
+
+
+# ------------------------------------------------------------ spin and slice
+async def _echo_round(ep, buf, out):
+    """One round trip with an ``echo`` peer (tag 1 size, tag 2 payload,
+    reply on tag 3)."""
+    r = ep.tag_recv(out, 3)
+    await ep.tag_send(struct.pack("<Q", len(buf)), 1)
+    await ep.tag_send(buf, 2)
+    return await r
+
+
+async def _echo_stop(s):
+    await s.ep.tag_send(struct.pack("<Q", _peer.STOP), 1)
+    await s.done()
+    await s.finish()
+
+
+FAIR_MODES = [("blocking", None), ("polling", None), ("thread", None),
+              ("thread-polling", None), ("blocking", 50.0)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode,spin", FAIR_MODES,
+                         ids=["blocking", "polling", "thread", "thread-polling",
+                              "blocking-spin50"])
+async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
+    """A 1 ms ticker in the loop of a full-speed 1 B ping-pong wakes at most
+    1 ms late at p99 (its awaits complete inline, within spins: the time
+    slice gives the loop its turns), while the ping-pong keeps going."""
+    loop = asyncio.get_running_loop()
+    s = await _peer.connect("tcp", "echo", mode, spin, peer_mode="blocking")
+    lateness = []
+    rounds = 0
+    stop = False
+
+    async def ticker():
+        while not stop:
+            due = loop.time() + 0.001
+            await asyncio.sleep(0.001)
+            lateness.append(loop.time() - due)
+
+    try:
+        buf, out = b"x", bytearray(1)
+        for _ in range(200):  # warm up: the auto budget settles
+            await _echo_round(s.ep, buf, out)
+        yields = s.w.spin_stats["slice_yields"]
+        t = loop.create_task(ticker())
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            assert await _echo_round(s.ep, buf, out) == 1
+            rounds += 1
+        stop = True
+        await t
+        await _echo_stop(s)
+    finally:
+        s.close()
+    lateness.sort()
+    p99 = lateness[int(len(lateness) * 0.99)]
+    assert len(lateness) > 300, f"the ticker woke {len(lateness)} times in 1.5 s"
+    assert p99 <= 0.001, f"p99 lateness {p99 * 1e3:.2f} ms (max {lateness[-1] * 1e3:.2f})"
+    assert rounds > 1500, f"only {rounds} round trips in 1.5 s beside the ticker"
+    if mode != "thread-polling" and (spin is None or spin > 0):
+        # the awaits completed inline: the slice, not a suspension, gave
+        # the ticker its turns
+        assert s.w.spin_stats["slice_yields"] > yields
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "thread"])
+async def test_auto_spin_grows_with_a_peer_and_shrinks_when_idle(mode):
+    """spin_us='auto' (the default): a ping-pong with another process grows
+    the budget until replies complete within the spin; a long wait shrinks
+    it again; an idle await does not spin."""
+    s = await _peer.connect("tcp", "echo", mode, None, peer_mode="blocking")
+    try:
+        assert s.w.spin_auto and s.w.spin_us == 0.0
+        buf, out = b"x", bytearray(1)
+        for _ in range(300):
+            await _echo_round(s.ep, buf, out)
+        st = s.w.spin_stats
+        # (a loaded machine delays many replies past the cap)
+        assert st["grows"] > 0 and st["hits"] > 0, st
+        assert 0 < s.w.spin_us <= 200
+        # a wait much longer than the cap: the budget halves
+        budget = s.w.spin_us
+        r = s.ep.tag_recv(out, 3)
+        sends = []
+        asyncio.get_running_loop().call_later(
+            0.01, lambda: sends.append(asyncio.ensure_future(_send_echo(s.ep, buf))))
+        await r
+        await sends[0]
+        assert s.w.spin_us < budget and s.w.spin_stats["shrinks"] > st["shrinks"]
+        await _echo_stop(s)
+    finally:
+        s.close()
+
+
+async def _send_echo(ep, buf):
+    await ep.tag_send(struct.pack("<Q", len(buf)), 1)
+    await ep.tag_send(buf, 2)
+
+
+@pytest.mark.timeout(60)
+async def test_auto_spin_stays_off_with_both_ends_in_one_process():
+    """Both ends on one loop: a reply needs the other task to run, which a
+    spin would only delay; the auto budget stays at (or returns to) 0."""
+    p = Pair("tcp", "blocking")
+    try:
+        loop = asyncio.get_running_loop()
+        p.a.start(loop)
+        p.b.start(loop)
+        assert p.b.spin_auto
+
+        async def server():
+            buf = bytearray(8)
+            for _ in range(500):
+                await p.ba.tag_recv(buf, 1)
+                await p.ba.tag_send(buf, 2)
+
+        srv = loop.create_task(server())
+        out = bytearray(8)
+        for i in range(500):
+            r = p.ab.tag_recv(out, 2)
+            await p.ab.tag_send(b"%8d" % i, 1)
+            await r
+        await srv
+        assert p.a.spin_us == 0.0 and p.b.spin_us == 0.0, (p.a.spin_stats, p.b.spin_stats)
+    finally:
+        p.close()
+
+
+def _cpu_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "thread"])
+async def test_idle_process_with_a_pending_receive_uses_no_cpu(mode):
+    """After traffic stops, with a live endpoint and a pending receive, the
+    process (and its peer) use at most 1 % of a core: the spin budget is
+    bounded per await and nothing polls."""
+    s = await _peer.connect("tcp", "echo", mode, None, peer_mode=mode)
+    try:
+        buf, out = b"x", bytearray(1)
+        for _ in range(500):
+            await _echo_round(s.ep, buf, out)
+        r = s.ep.tag_recv(bytearray(8), 99)  # never sent
+        await asyncio.sleep(0.2)
+        me0, peer0 = _cpu_of(os.getpid()), _cpu_of(s.peer.proc.pid)
+        await asyncio.sleep(3.0)
+        me, peer = _cpu_of(os.getpid()) - me0, _cpu_of(s.peer.proc.pid) - peer0
+        assert not r.done()
+        r.cancel()
+        with pytest.raises(ucxx.exceptions.UCXCanceledError):
+            await r
+        await _echo_stop(s)
+    finally:
+        s.close()
+    assert me <= 0.03 and peer <= 0.03, f"idle CPU in 3 s: {me:.3f} s here, {peer:.3f} s in the peer"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "polling", "thread", "thread-polling"])
+async def test_worker_leaves_the_loop_and_its_class_unchanged(mode):
+    """A full workload (listener, connect, transfers of every kind, close)
+    changes no attribute of the loop instance nor of its class."""
+    loop = asyncio.get_running_loop()
+
+    def loop_attrs():
+        # asyncio's own state (counters, queues) changes as it runs; what
+        # must not change is which attributes there are and which callables
+        # (methods) they hold
+        return (set(vars(loop)),
+                {k: v for k, v in vars(loop).items() if callable(v)})
+
+    before = loop_attrs()
+    cls_before = {c: dict(vars(c)) for c in type(loop).__mro__}
+    p = Pair("tcp", mode)
+    try:
+        p.a.start(loop)
+        p.b.start(loop)
+        for n in (0, 1, 1000, THRESH + 1, 1 << 20):
+            out = bytearray(n)
+            r = p.b.tag_recv(out, 7)
+            await p.ab.tag_send(bytes(n), 7)
+            assert await asyncio.wait_for(r, 10) == n
+        frames = [bytearray(10), bytearray(THRESH + 5)]
+        r = p.ba.gather_recv(frames)
+        await p.ab.gather_send([b"1" * 10, b"2" * (THRESH + 5)])
+        await asyncio.wait_for(r, 10)
+        assert loop_attrs() == before
+    finally:
+        p.close()
+    await asyncio.sleep(0)
+    assert loop_attrs() == before
+    assert {c: dict(vars(c)) for c in type(loop).__mro__} == cls_before

@@ -101,6 +101,21 @@ def _resolve_float(value, env: str, default, what: str, allow_zero: bool):
     return f
 
 
+def _resolve_spin(spin_us):
+    """spin_us: None (the mode's default), "auto", or microseconds >= 0;
+    None falls back to $UCXPY_SPIN_US."""
+    if spin_us is None:
+        spin_us = os.environ.get("UCXPY_SPIN_US") or None
+        if spin_us is None:
+            return None
+        source = "$UCXPY_SPIN_US"
+    else:
+        source = "spin_us"
+    if spin_us == "auto":
+        return "auto"
+    return _resolve_float(spin_us, "", None, f"spin_us (from {source})", True)
+
+
 def _resolve_host(host, port) -> str:
     """Numeric IP for ``host``; ValueError naming a bad host or port."""
     if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
@@ -151,7 +166,7 @@ class ApplicationContext:
         spin_us=None,
     ):
         self.progress_mode = _resolve_progress_mode(progress_mode)
-        self.spin_us = _resolve_float(spin_us, "UCXPY_SPIN_US", None, "spin_us", True)
+        self.spin_us = _resolve_spin(spin_us)
         self.connect_timeout = _resolve_float(
             connect_timeout, "UCXPY_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
             "connect_timeout", False,
