@@ -133,13 +133,6 @@ ucxx_worker_detach(WorkerObject *w)
     w->waiter = NULL;
     Py_CLEAR(w->coro);
     w->direct_future = 0;
-    if (w->loop_hook != NULL) {
-        PyObject *hook = w->loop_hook;
-
-        w->loop_hook = NULL;
-        ucxx_loophook_remove(hook, loop, w);
-        Py_DECREF(hook);
-    }
     w->armed = 0;
     w->rearm_scheduled = 0;
     w->slice_start = 0.0;
@@ -206,8 +199,6 @@ ucxx_worker_attach(WorkerObject *w, PyObject *loop)
             goto error;
         }
         Py_DECREF(res);
-        /* Opt-in (UCXX_LOOP_HOOK=1): the C loop methods of loophook.c. */
-        w->loop_hook = ucxx_loophook_add(loop, w);
     }
     coro = ucxx_progress_new(w, loop);
     if (coro == NULL) {

@@ -134,8 +134,7 @@ module_exec(PyObject *m)
         add_type(m, &ucxx_endpoint_spec, &st->EndpointType) < 0 ||
         add_type(m, &ucxx_listener_spec, &st->ListenerType) < 0 ||
         add_type(m, &ucxx_request_spec, &st->RequestType) < 0 ||
-        add_type(m, &ucxx_progress_spec, &st->ProgressType) < 0 ||
-        add_type(m, &ucxx_loophook_spec, &st->LoopHookType) < 0) {
+        add_type(m, &ucxx_progress_spec, &st->ProgressType) < 0) {
         return -1;
     }
     if (intern(&st->s_create_future, "create_future") < 0 ||
@@ -143,26 +142,9 @@ module_exec(PyObject *m)
         intern(&st->s_set_result, "set_result") < 0 ||
         intern(&st->s_set_exception, "set_exception") < 0 ||
         intern(&st->s_call_soon, "call_soon") < 0 ||
-        intern(&st->s_add_reader, "add_reader") < 0 ||
-        intern(&st->s_remove_reader, "remove_reader") < 0 ||
         intern(&st->s_is_closed, "is_closed") < 0 ||
         intern(&st->s_done, "done") < 0 ||
-        intern(&st->s_cancel, "cancel") < 0 ||
-        intern(&st->s_blocking, "_asyncio_future_blocking") < 0 ||
-        intern(&st->s_process_events, "_process_events") < 0 ||
-        intern(&st->s_closed, "_closed") < 0 ||
-        intern(&st->s_debug, "_debug") < 0 ||
-        intern(&st->s_context, "context") < 0 ||
-        intern(&st->s_run_once, "_run_once") < 0 ||
-        intern(&st->s_get_debug, "get_debug") < 0 ||
-        intern(&st->s_time, "time") < 0 ||
-        intern(&st->s_run, "_run") < 0 ||
-        intern(&st->s_scheduled, "_scheduled") < 0 ||
-        intern(&st->s_stopping, "_stopping") < 0 ||
-        intern(&st->s_selector, "_selector") < 0 ||
-        intern(&st->s_fd_to_key, "_fd_to_key") < 0 ||
-        intern(&st->s_poll, "poll") < 0 ||
-        intern(&st->s_select, "select") < 0) {
+        intern(&st->s_blocking, "_asyncio_future_blocking") < 0) {
         return -1;
     }
 
@@ -174,30 +156,15 @@ module_exec(PyObject *m)
     st->CancelledError = PyObject_GetAttrString(asyncio, "CancelledError");
     st->InvalidStateError = PyObject_GetAttrString(asyncio,
                                                    "InvalidStateError");
-    st->Handle = PyObject_GetAttrString(asyncio, "Handle");
     st->BaseEventLoop = PyObject_GetAttrString(asyncio, "BaseEventLoop");
     st->Future = PyObject_GetAttrString(asyncio, "Future");
     st->kw_loop = Py_BuildValue("(s)", "loop");
     if (st->get_running_loop == NULL || st->CancelledError == NULL ||
-        st->InvalidStateError == NULL || st->Handle == NULL ||
+        st->InvalidStateError == NULL ||
         st->BaseEventLoop == NULL || st->Future == NULL ||
         st->kw_loop == NULL) {
         goto error;
     }
-    {
-        PyObject *sel = PyImport_ImportModule("asyncio.selector_events");
-
-        if (sel == NULL) {
-            goto error;
-        }
-        st->BaseSelectorEventLoop = PyObject_GetAttrString(
-            sel, "BaseSelectorEventLoop");
-        Py_DECREF(sel);
-        if (st->BaseSelectorEventLoop == NULL) {
-            goto error;
-        }
-    }
-    st->ResourceWarning_ = PyExc_ResourceWarning;
 
     /* asyncio accepts the C progress coroutine as a coroutine. */
     abc = PyImport_ImportModule("collections.abc");
@@ -259,18 +226,15 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->ListenerType);
     Py_VISIT(st->RequestType);
     Py_VISIT(st->ProgressType);
-    Py_VISIT(st->LoopHookType);
     for (int i = 0; i < UCXX_EXC_COUNT; i++) {
         Py_VISIT(st->exc[i]);
     }
     Py_VISIT(st->get_running_loop);
     Py_VISIT(st->CancelledError);
     Py_VISIT(st->InvalidStateError);
-    Py_VISIT(st->Handle);
     Py_VISIT(st->BaseEventLoop);
     Py_VISIT(st->Future);
     Py_VISIT(st->kw_loop);
-    Py_VISIT(st->BaseSelectorEventLoop);
     return 0;
 }
 
@@ -286,43 +250,23 @@ module_clear(PyObject *m)
     Py_CLEAR(st->ListenerType);
     Py_CLEAR(st->RequestType);
     Py_CLEAR(st->ProgressType);
-    Py_CLEAR(st->LoopHookType);
     for (int i = 0; i < UCXX_EXC_COUNT; i++) {
         Py_CLEAR(st->exc[i]);
     }
     Py_CLEAR(st->get_running_loop);
     Py_CLEAR(st->CancelledError);
     Py_CLEAR(st->InvalidStateError);
-    Py_CLEAR(st->Handle);
     Py_CLEAR(st->BaseEventLoop);
     Py_CLEAR(st->Future);
     Py_CLEAR(st->kw_loop);
-    Py_CLEAR(st->BaseSelectorEventLoop);
     Py_CLEAR(st->s_create_future);
     Py_CLEAR(st->s_create_task);
     Py_CLEAR(st->s_set_result);
     Py_CLEAR(st->s_set_exception);
     Py_CLEAR(st->s_call_soon);
-    Py_CLEAR(st->s_add_reader);
-    Py_CLEAR(st->s_remove_reader);
     Py_CLEAR(st->s_is_closed);
     Py_CLEAR(st->s_done);
-    Py_CLEAR(st->s_cancel);
     Py_CLEAR(st->s_blocking);
-    Py_CLEAR(st->s_process_events);
-    Py_CLEAR(st->s_closed);
-    Py_CLEAR(st->s_debug);
-    Py_CLEAR(st->s_run_once);
-    Py_CLEAR(st->s_get_debug);
-    Py_CLEAR(st->s_time);
-    Py_CLEAR(st->s_run);
-    Py_CLEAR(st->s_scheduled);
-    Py_CLEAR(st->s_stopping);
-    Py_CLEAR(st->s_selector);
-    Py_CLEAR(st->s_fd_to_key);
-    Py_CLEAR(st->s_poll);
-    Py_CLEAR(st->s_select);
-    Py_CLEAR(st->s_context);
     return 0;
 }
 

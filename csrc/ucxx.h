@@ -85,44 +85,22 @@ typedef struct {
     PyTypeObject *ListenerType;
     PyTypeObject *RequestType;
     PyTypeObject *ProgressType;
-    PyTypeObject *LoopHookType;
     PyObject *exc[UCXX_EXC_COUNT];     /* strong: exception classes */
     PyObject *get_running_loop;        /* strong: asyncio.get_running_loop */
     PyObject *CancelledError;          /* strong: asyncio.CancelledError */
     PyObject *InvalidStateError;       /* strong: asyncio.InvalidStateError */
-    PyObject *ResourceWarning_;        /* borrowed: builtin */
-    PyObject *Handle;                  /* strong: asyncio.Handle */
     PyObject *BaseEventLoop;           /* strong: asyncio.BaseEventLoop */
     PyObject *Future;                  /* strong: asyncio.Future */
     PyObject *kw_loop;                 /* strong: ("loop",) */
-    PyObject *BaseSelectorEventLoop;   /* strong: asyncio.selector_events.
-                                          BaseSelectorEventLoop */
     /* interned method / attribute names */
     PyObject *s_create_future;
     PyObject *s_create_task;
     PyObject *s_set_result;
     PyObject *s_set_exception;
     PyObject *s_call_soon;
-    PyObject *s_add_reader;
-    PyObject *s_remove_reader;
     PyObject *s_is_closed;
     PyObject *s_done;
-    PyObject *s_cancel;
     PyObject *s_blocking;              /* "_asyncio_future_blocking" */
-    PyObject *s_process_events;        /* "_process_events" */
-    PyObject *s_closed;                /* "_closed" */
-    PyObject *s_debug;                 /* "_debug" */
-    PyObject *s_context;               /* "context" */
-    PyObject *s_run_once;              /* "_run_once" */
-    PyObject *s_get_debug;             /* "get_debug" */
-    PyObject *s_time;                  /* "time" */
-    PyObject *s_run;                   /* "_run" */
-    PyObject *s_scheduled;             /* "_scheduled" */
-    PyObject *s_stopping;              /* "_stopping" */
-    PyObject *s_selector;              /* "_selector" */
-    PyObject *s_fd_to_key;             /* "_fd_to_key" */
-    PyObject *s_poll;                  /* "poll" */
-    PyObject *s_select;                /* "select" */
     /* Dead Requests kept for reuse (linked through next_done): a transfer
      * that completes inside its call costs no allocation. */
     struct RequestObject *req_free;
@@ -234,8 +212,6 @@ struct WorkerObject {
     int direct_future;           /* the loop's create_future is
                                     BaseEventLoop's: futures are made as
                                     asyncio.Future(loop=loop) directly */
-    PyObject *loop_hook;         /* strong: the loop's LoopHook serving our
-                                    fd (opt-in), or NULL */
     ucxx_link pending;           /* RequestObject.wlink: requests UCX holds */
     ucxx_link endpoints;         /* EndpointObject.wlink: borrowed, open eps */
     ucxx_link listeners;         /* ListenerObject.wlink: borrowed */
@@ -439,11 +415,6 @@ void ucxx_worker_stop_thread(WorkerObject *w);
 int ucxx_loop_is_running(PyObject *loop);
 PyObject *ucxx_worker_new_future(WorkerObject *w, ucxx_state *st);
 int ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg);
-
-/* loophook.c */
-extern PyType_Spec ucxx_loophook_spec;
-PyObject *ucxx_loophook_add(PyObject *loop, WorkerObject *w);
-void ucxx_loophook_remove(PyObject *hook, PyObject *loop, WorkerObject *w);
 
 /* The worker lock serialises the loop thread and the progress thread, so
  * only thread modes take it; in the other modes the GIL is the lock (no

@@ -863,7 +863,6 @@ Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
     Py_VISIT(w->coro);
     Py_VISIT(w->waiter);
     Py_VISIT(w->rearm_cb);
-    Py_VISIT(w->loop_hook);
     Py_VISIT(w->am_allocators);
     return 0;
 }
@@ -876,7 +875,6 @@ Worker_clear(WorkerObject *w)
     Py_CLEAR(w->waiter);
     Py_CLEAR(w->loop);
     Py_CLEAR(w->rearm_cb);
-    Py_CLEAR(w->loop_hook);
     Py_CLEAR(w->am_allocators);
     return 0;
 }

@@ -280,14 +280,3 @@ class ProgressCoroutine(Coroutine[Any, Any, None]):
     def throw(self, typ: Any, val: Any = ..., tb: Any = ...) -> Any: ...
     def close(self) -> None: ...
 
-class _LoopHook:
-    """A stdlib selector loop's ``_process_events`` while blocking- or
-    thread-mode workers are attached: runs their fd readers first, so the
-    tasks they wake run in the same loop iteration. Where the loop's class
-    keeps asyncio's own methods it also puts C ``call_soon``, ``get_debug``
-    and (Python 3.11) ``_run_once`` on the loop; all are removed with it.
-    ``UCXX_LOOP_HOOK=0`` turns it off (see csrc/loophook.c)."""
-
-    @property
-    def workers(self) -> tuple[Worker, ...]: ...
-    def __call__(self, event_list: list[tuple[Any, int]], /) -> None: ...
