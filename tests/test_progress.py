@@ -261,6 +261,7 @@ FAIR_MODES = [("blocking", None), ("polling", None), ("thread", None),
               ("thread-polling", None), ("blocking", 50.0)]
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode,spin", FAIR_MODES,
                          ids=["blocking", "polling", "thread", "thread-polling",
