@@ -306,6 +306,52 @@ ucxx_slice_spent(WorkerObject *w)
 }
 
 /*
+ * What a task yields to give the loop its turn when the slice is spent: a
+ * future resolved by a timer due now (loop.call_later(0, ...)), which the
+ * loop runs after the timers already due, so that a task woken by one of
+ * those (its wake-up is queued when the timer runs) runs before this one
+ * resumes.  A bare yield (as asyncio.sleep(0)) would put the task back in
+ * the ready queue ahead of those wake-ups, and the loop would run a whole
+ * slice of it first.  A worker not attached to a loop yet yields None.
+ */
+PyObject *
+ucxx_slice_yield(WorkerObject *w)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    PyObject *fut, *set, *res;
+
+    w->slice_start = 0.0;
+    w->slice_yields++;
+    if (w->loop == NULL) {
+        return Py_NewRef(Py_None);
+    }
+    fut = ucxx_worker_new_future(w, st);
+    if (fut == NULL) {
+        return NULL;
+    }
+    set = PyObject_GetAttr(fut, st->s_set_result);
+    if (set == NULL) {
+        Py_DECREF(fut);
+        return NULL;
+    }
+    {
+        PyObject *args[4] = {w->loop, st->zero, set, Py_None};
+
+        res = PyObject_VectorcallMethod(st->s_call_later, args,
+                                        4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                        NULL);
+    }
+    Py_DECREF(set);
+    if (res == NULL || PyObject_SetAttr(fut, st->s_blocking, Py_True) < 0) {
+        Py_XDECREF(res);
+        Py_DECREF(fut);
+        return NULL;
+    }
+    Py_DECREF(res);
+    return fut;
+}
+
+/*
  * The completion of r, which slept: adapt the auto budget.  Waits longer
  * than the cap shrink it.  A shorter wait that outlasted the budget grows
  * it only if nothing in this process called UCX while r slept: the reply

@@ -142,6 +142,7 @@ module_exec(PyObject *m)
         intern(&st->s_set_result, "set_result") < 0 ||
         intern(&st->s_set_exception, "set_exception") < 0 ||
         intern(&st->s_call_soon, "call_soon") < 0 ||
+        intern(&st->s_call_later, "call_later") < 0 ||
         intern(&st->s_is_closed, "is_closed") < 0 ||
         intern(&st->s_done, "done") < 0 ||
         intern(&st->s_blocking, "_asyncio_future_blocking") < 0) {
@@ -159,10 +160,11 @@ module_exec(PyObject *m)
     st->BaseEventLoop = PyObject_GetAttrString(asyncio, "BaseEventLoop");
     st->Future = PyObject_GetAttrString(asyncio, "Future");
     st->kw_loop = Py_BuildValue("(s)", "loop");
+    st->zero = PyLong_FromLong(0);
     if (st->get_running_loop == NULL || st->CancelledError == NULL ||
         st->InvalidStateError == NULL ||
         st->BaseEventLoop == NULL || st->Future == NULL ||
-        st->kw_loop == NULL) {
+        st->kw_loop == NULL || st->zero == NULL) {
         goto error;
     }
 
@@ -264,6 +266,8 @@ module_clear(PyObject *m)
     Py_CLEAR(st->s_set_result);
     Py_CLEAR(st->s_set_exception);
     Py_CLEAR(st->s_call_soon);
+    Py_CLEAR(st->s_call_later);
+    Py_CLEAR(st->zero);
     Py_CLEAR(st->s_is_closed);
     Py_CLEAR(st->s_done);
     Py_CLEAR(st->s_blocking);

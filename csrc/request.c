@@ -575,10 +575,8 @@ suspend:
 
 yield:
     r->slice_yielded = 1;
-    w->slice_start = 0.0;
-    w->slice_yields++;
-    *presult = Py_NewRef(Py_None);
-    return PYGEN_NEXT;
+    *presult = ucxx_slice_yield(w);
+    return *presult != NULL ? PYGEN_NEXT : PYGEN_ERROR;
 
 done:
     *presult = ucxx_request_result(r);

@@ -98,6 +98,8 @@ typedef struct {
     PyObject *s_set_result;
     PyObject *s_set_exception;
     PyObject *s_call_soon;
+    PyObject *s_call_later;
+    PyObject *zero;                    /* strong: 0 */
     PyObject *s_is_closed;
     PyObject *s_done;
     PyObject *s_blocking;              /* "_asyncio_future_blocking" */
@@ -406,6 +408,7 @@ PyObject *ucxx_worker_rearm(WorkerObject *w, PyObject *unused);
 double ucxx_now_us(void);
 int ucxx_spin(RequestObject *r);
 int ucxx_slice_spent(WorkerObject *w);
+PyObject *ucxx_slice_yield(WorkerObject *w);
 void ucxx_spin_feedback(RequestObject *r);
 
 /* loop.c: attachment to an event loop */

@@ -278,9 +278,9 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
 
     async def ticker():
         while not stop:
-            due = loop.time() + 0.001
+            due = time.monotonic() + 0.001
             await asyncio.sleep(0.001)
-            lateness.append(loop.time() - due)
+            lateness.append(time.monotonic() - due)
 
     try:
         buf, out = b"x", bytearray(1)
@@ -300,7 +300,9 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
     lateness.sort()
     p99 = lateness[int(len(lateness) * 0.99)]
     assert len(lateness) > 300, f"the ticker woke {len(lateness)} times in 1.5 s"
-    assert p99 <= 0.001, f"p99 lateness {p99 * 1e3:.2f} ms (max {lateness[-1] * 1e3:.2f})"
+    # uvloop's timers have a resolution of 1 ms (libuv's clock)
+    bound = 0.002 if type(loop).__module__.startswith("uvloop") else 0.001
+    assert p99 <= bound, f"p99 lateness {p99 * 1e3:.2f} ms (max {lateness[-1] * 1e3:.2f})"
     assert rounds > 1500, f"only {rounds} round trips in 1.5 s beside the ticker"
     if mode != "thread-polling" and (spin is None or spin > 0):
         # the awaits completed inline: the slice, not a suspension, gave
