@@ -83,6 +83,18 @@ def _refusing():
     return np.zeros(16, dtype="u1").view(RefusingBuffer)[::2]
 
 
+class DunderBufferRefusing(CountingDevice):
+    """Python >= 3.12: a class-level ``__buffer__`` gives the type a buffer
+    slot, here one that refuses, as cupy's does."""
+
+    def __buffer__(self, flags):
+        raise BufferError("device memory has no host buffer")
+
+
+KINDS = ["interface-only", "buffer-refusing"] + (
+    ["dunder-buffer"] if sys.version_info >= (3, 12) else [])
+
+
 def _posts(w, ep):
     return {
         "ep.tag_send": lambda b: ep.tag_send(b, 1),
@@ -94,16 +106,21 @@ def _posts(w, ep):
 
 
 @pytest.mark.timeout(30)
-@pytest.mark.parametrize("kind", ["interface-only", "buffer-refusing"])
+@pytest.mark.parametrize("kind", KINDS)
 async def test_interface_read_once_per_buffer(local, kind):
     """Each post reads ``__cuda_array_interface__`` once: exporters build the
     dict on every access, so a second read is a second dict per message."""
     w, ep = local.w, local.ep
+    make = {"interface-only": CountingDevice, "buffer-refusing": _refusing,
+            "dunder-buffer": DunderBufferRefusing}[kind]
     for name, post in _posts(w, ep).items():
-        obj = CountingDevice() if kind == "interface-only" else _refusing()
+        obj = make()
+        if kind == "dunder-buffer":
+            with pytest.raises(BufferError):
+                memoryview(obj)
         with pytest.raises(TypeError, match="typestr"):
             post(obj)
-        reads = obj.reads if kind == "interface-only" else RefusingBuffer.reads
+        reads = RefusingBuffer.reads if kind == "buffer-refusing" else obj.reads
         assert reads == 1, f"{name}: interface read {reads} times"
         assert w.npending == 0, name
 

@@ -21,7 +21,8 @@
 #
 # Environment: UCXX_GPU_BUDGET_S (whole run, default 450), UCXX_GPU_PROFILE_S
 # (step 4's share, default 80), UCXX_GPU_ROUNDS (default 2),
-# UCXX_GPU_PYTHON (default python3), UCXX_GPU_SITE (default
+# UCXX_GPU_RUN_TIMEOUT (one benchmark run, default 45 s; a failed run is
+# retried once), UCXX_GPU_PYTHON (default python3), UCXX_GPU_SITE (default
 # /tmp/ucxx-gpu-site), UCXX_GPU_OBJECT (default cupy; numpy runs steps 4-5
 # on host memory, a dry run of the pipeline without a GPU), UCXX_GPU_QUICK=1
 # (short runs).  Exit: 0 all done and passed, 1 a step failed, 3 no usable
@@ -38,6 +39,7 @@ BUDGET=${UCXX_GPU_BUDGET_S:-450}
 PROFILE_S=${UCXX_GPU_PROFILE_S:-80}
 ROUNDS=${UCXX_GPU_ROUNDS:-2}
 QUICK=${UCXX_GPU_QUICK:-0}
+RUN_TIMEOUT=${UCXX_GPU_RUN_TIMEOUT:-45}
 DEADLINE=$((T0 + BUDGET))
 RCWD=${TMPDIR:-/tmp}/ucxx-gpu-rapids-cwd
 mkdir -p "$OUT" "$SITE/ours" "$SITE/rapids" "$RCWD"
@@ -239,6 +241,7 @@ bq=()
 [ "$QUICK" = 1 ] && bq=(--quick)
 timed bench "$PY" tests/gpu/ab.py --site "$SITE" --out "$OUT" --python "$PY" \
     --object "$OBJ" --rounds "$ROUNDS" --deadline $((DEADLINE - 10)) "${bq[@]}" \
+    --run-timeout "$RUN_TIMEOUT" \
     "${OURS_EXTRA[@]/#/--ours-env=}" || rc=1
 
 step "done"
