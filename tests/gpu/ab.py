@@ -145,6 +145,10 @@ def fmt_bw(bps):
     return "-" if bps is None else f"{bps / 2**30:.2f}"
 
 
+def fmt_ratio(x):
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
 def med(xs):
     return statistics.median(xs) if xs else None
 
@@ -172,11 +176,11 @@ def summarise(results, args, skipped, started, commands):
         row = [label, "reuse" if reuse else "fresh", mode,
                " / ".join(fmt_us(a.get("lat_ns")) for a, _ in pairs) or "-",
                " / ".join(fmt_us(b.get("lat_ns")) for _, b in pairs) or "-",
-               " / ".join(f"{x:.2f}" for x in lr) or "-",
-               f"{med(lr):.2f}" if lr else "-",
+               " / ".join(fmt_ratio(x) for x in lr) or "-",
+               fmt_ratio(med(lr)) if lr else "-",
                " / ".join(fmt_bw(a.get("bw_Bps")) for a, _ in pairs) or "-",
                " / ".join(fmt_bw(b.get("bw_Bps")) for _, b in pairs) or "-",
-               f"{med(br):.2f}" if br else "-"]
+               fmt_ratio(med(br)) if br else "-"]
         if errs or retried:
             row[0] += f" ({len(errs)} failed, {len(retried)} retried)"
         lines.append("| " + " | ".join(row) + " |")
@@ -190,7 +194,7 @@ def summarise(results, args, skipped, started, commands):
     lines += ["", "## Acceptance (median of the pairs' ratios)", ""]
     for text, v, test in acc:
         state = "NOT RUN" if v is None else ("PASS" if test(v) else "FAIL")
-        lines.append(f"- {state}: {text}" + ("" if v is None else f" (median {v:.2f})"))
+        lines.append(f"- {state}: {text}" + ("" if v is None else f" (median {fmt_ratio(v)})"))
     if skipped:
         lines += ["", "## Not run (deadline)", ""]
         lines += [f"- round {r}: {label} {'reuse' if reuse else 'fresh'} {mode}"

@@ -25,7 +25,8 @@
 # retried once), UCXX_GPU_PYTHON (default python3), UCXX_GPU_SITE (default
 # /tmp/ucxx-gpu-site), UCXX_GPU_OBJECT (default cupy; numpy runs steps 4-5
 # on host memory, a dry run of the pipeline without a GPU), UCXX_GPU_QUICK=1
-# (short runs).  Exit: 0 all done and passed, 1 a step failed, 3 no usable
+# (short runs), UCXX_GPU_SIZES / UCXX_GPU_MODES (a subset for step 5, e.g.
+# 1B,64MiB / blocking).  Exit: 0 all done and passed, 1 a step failed, 3 no usable
 # CUDA device (steps 3-5 not run).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -239,6 +240,8 @@ timed profile profile
 step "5. RAPIDS' benchmark command, ours and RAPIDS interleaved -> bench-summary.md"
 bq=()
 [ "$QUICK" = 1 ] && bq=(--quick)
+[ -n "${UCXX_GPU_SIZES:-}" ] && bq+=(--sizes "$UCXX_GPU_SIZES")
+[ -n "${UCXX_GPU_MODES:-}" ] && bq+=(--modes "$UCXX_GPU_MODES")
 timed bench "$PY" tests/gpu/ab.py --site "$SITE" --out "$OUT" --python "$PY" \
     --object "$OBJ" --rounds "$ROUNDS" --deadline $((DEADLINE - 10)) "${bq[@]}" \
     --run-timeout "$RUN_TIMEOUT" \
