@@ -323,7 +323,7 @@ def run_latency(args, variants: list[str]) -> list[dict]:
     def one(rnd, tls, mode, v, kind, n, min_s):
         rec = {"round": rnd, "tls": tls, "mode": mode, "variant": v, "kind": kind,
                "n_iter": n}
-        if (tls, mode, v) in timed_out:
+        if kind == "latency" and (tls, mode, v) in timed_out:
             rec["error"] = "skipped: timed out in an earlier round"
             runs.append(rec)
             return rec, rec["error"]
@@ -333,7 +333,7 @@ def run_latency(args, variants: list[str]) -> list[dict]:
                    if "server_cpu_us" in rec else f"T {rec.get('timed_s', 0):.2f} s")
             msg = f"median {fmt_t(rec['median_ns']):>9}  {cpu}"
         except au.AnchorError as exc:
-            if isinstance(exc, RunTimeout):
+            if isinstance(exc, RunTimeout) and kind == "latency":
                 timed_out.add((tls, mode, v))
             rec["error"] = str(exc)[-2500:]
             msg = "FAILED: " + (str(exc).strip().splitlines() or ["?"])[0][:150]
@@ -516,7 +516,7 @@ def _lat(e: dict, v: str) -> str:
     if not ve:
         return "–"
     if "median_ns" not in ve:
-        return "failed"
+        return "timed out" if "timed out" in (ve["errors"] or [""])[0] else "failed"
     return fmt_t(ve["median_ns"]).replace(" µs", "")
 
 
@@ -653,8 +653,17 @@ def render(data: dict) -> str:
                 w("![CPU per round trip](bench_anchors_cpu.png)\n")
         errs = [(k, v, ve["errors"][0]) for k, e in s.items() for v, ve in e["variants"].items()
                 if ve.get("errors")]
-        for k, v, err in errs[:6]:
-            w(f"- failed: {k.replace('|', ' ')} {v}: `{err.strip().splitlines()[-1][:200]}`")
+        for k, v, err in errs[:8]:
+            tls, mode = k.split("|")
+            if "timed out" in err and cfg.get("timeout"):
+                bound = cfg["timeout"] / (2 * cfg["n_iter"]) * 1e9
+                w(f"- timed out: {au.tls_label(tls)} {mode} {LABEL[v]}: no report within "
+                  f"{cfg['timeout']:g} s for {cfg['n_iter']} round trips (one way > "
+                  f"{fmt_t(bound)} on average, start-up included); not run again in later "
+                  "rounds.")
+            else:
+                w(f"- failed: {au.tls_label(tls)} {mode} {LABEL[v]}: "
+                  f"`{err.strip().splitlines()[-1][:200]}`")
         if errs:
             w("")
 
@@ -715,7 +724,8 @@ def plot(data: dict, outdir: Path) -> list[str]:
               "raw-sleep": "tab:red"}
     written = []
 
-    def bars(ax, groups, series, values, ylabel, title, log=False, hline=None):
+    def bars(ax, groups, series, values, ylabel, title, log=False, hline=None,
+             labels=None):
         width = 0.8 / max(1, len(series))
         for i, ser in enumerate(series):
             xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
@@ -724,11 +734,15 @@ def plot(data: dict, outdir: Path) -> list[str]:
                    [y for y in ys if y is not None], width,
                    label=ser[1], color=ser[2])
         ax.set_xticks(range(len(groups)))
-        ax.set_xticklabels(groups, fontsize=8)
+        ax.set_xticklabels(labels or groups, fontsize=8)
         ax.set_ylabel(ylabel)
         ax.set_title(title, fontsize=10)
         if log:
+            from matplotlib.ticker import FuncFormatter, NullFormatter
+
             ax.set_yscale("log")
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:g}"))
+            ax.yaxis.set_minor_formatter(NullFormatter())
         if hline is not None:
             ax.axhline(hline[0], color="black", linestyle=":", linewidth=1, label=hline[1])
         ax.grid(True, axis="y", which="both", alpha=0.3)
@@ -794,19 +808,58 @@ def plot(data: dict, outdir: Path) -> list[str]:
                for i, (k, lab) in enumerate(series)]
         fig, ax = plt.subplots(figsize=(8, 4.5))
 
-        def late(mode, sr):
+        tlss = sorted({r["tls"] for r in fr})
+        groups = [(t, m) for t in tlss for m in cfg["modes"]]
+
+        def late(group, sr):
             for r in fr:
-                if r["mode"] == mode and (r["package"], r.get("spin_us")) == sr[0]:
+                if (r["tls"], r["mode"]) == group and (r["package"], r.get("spin_us")) == sr[0]:
                     return max(r["late_ms"]["p99"], 1e-3)
             return None
-        bars(ax, cfg["modes"], ser, late, "ticker lateness p99 (ms)",
+        labels = [m if len(tlss) == 1 else f"{au.tls_label(t)} {m}" for t, m in groups]
+        bars(ax, groups, ser, late, "ticker lateness p99 (ms)",
              "1 ms ticker beside a full-speed 1 B ping-pong (same loop)", log=True,
-             hline=(TARGET_LATE_P99_MS, "target"))
+             hline=(TARGET_LATE_P99_MS, "target"), labels=labels)
         fig.tight_layout()
         fig.savefig(outdir / "bench_anchors_fairness.png", dpi=100)
         plt.close(fig)
         written.append("bench_anchors_fairness.png")
     return written
+
+
+def merge(data: dict, old: dict, parts: list[str], name: str) -> None:
+    """Take from saved results ``old`` the parts not run now, and the latency
+    runs of transports not run now (``--tls tcp`` then ``--tls shm --merge``)."""
+    taken = []
+    cfg, ocfg = data["config"], old["config"]
+    owners = {"latency": ("tls", "modes", "rounds", "n_bytes", "n_iter", "n_warmup_iter",
+                          "cpu_min_s", "cpu", "perftest"),
+              "idle": ("idle_seconds", "idle_tls", "idle_rounds"),
+              "fairness": ("fairness_duration", "fairness_spin", "fairness_tls")}
+    if "latency" in parts and old.get("runs"):
+        extra = [r for r in old["runs"] if r["tls"] not in cfg["tls"]]
+        if extra:
+            data["runs"] = extra + data["runs"]
+            cfg["tls"] = [t for t in ocfg["tls"] if t not in cfg["tls"]] + cfg["tls"]
+            data["summary"] = summarise(data["runs"])
+            taken.append("latency over " + ", ".join(sorted({r["tls"] for r in extra})))
+    keys = {"latency": ("runs", "summary"), "idle": ("idle", "idle_summary"),
+            "fairness": ("fairness",)}
+    for part in PARTS:
+        if part not in parts and all(k in old for k in keys[part]):
+            for k in keys[part]:
+                data[k] = old[k]
+            for k in owners[part]:
+                if k in ocfg:
+                    cfg[k] = ocfg[k]
+            cfg["parts_run"] = cfg["parts_run"] + [part]
+            taken.append(part)
+    if taken:
+        data["merged_from"] = {"command": ocfg["command"], "parts": taken,
+                               "date_utc": old["machine"].get("date_utc"),
+                               "commit": old.get("commit"),
+                               "load": [old.get("load_start"), old.get("load_end")]}
+        print(f"merged {', '.join(taken)} from {name}", flush=True)
 
 
 def write_markdown(text: str, path: Path) -> None:
@@ -951,7 +1004,7 @@ def main(argv=None, prog: str = "python benchmarks/anchors.py") -> int:
                              "n_bytes": args.n_bytes, "n_iter": args.n_iter,
                              "n_warmup_iter": args.n_warmup_iter,
                              "cpu_min_s": args.cpu_min_s, "cpu": args.cpu,
-                             "address": args.address, "cpus": args.cpus,
+                             "address": args.address, "cpus": args.cpus, "timeout": args.timeout,
                              "net_devices": args.net_devices, "ours_args": args.ours_args,
                              "ours_env": args.ours_env, "idle_seconds": args.idle_seconds,
                              "idle_tls": args.idle_tls, "idle_rounds": args.idle_rounds,
@@ -999,29 +1052,7 @@ def main(argv=None, prog: str = "python benchmarks/anchors.py") -> int:
     data["load_end"] = loadavg()
     data["elapsed_min"] = (time.monotonic() - t_start) / 60
     if args.merge:
-        old = json.loads(Path(args.merge).read_text())
-        taken = []
-        keys = {"latency": ("runs", "summary"), "idle": ("idle", "idle_summary"),
-                "fairness": ("fairness",)}
-        for part in PARTS:
-            if part not in parts and all(k in old for k in keys[part]):
-                for k in keys[part]:
-                    data[k] = old[k]
-                taken.append(part)
-        if taken:
-            for k in ("tls", "modes", "rounds", "n_bytes", "n_iter", "n_warmup_iter",
-                      "cpu_min_s", "cpu", "perftest", "idle_seconds", "idle_tls",
-                      "idle_rounds", "fairness_duration", "fairness_spin", "fairness_tls"):
-                owner = {"idle_seconds": "idle", "idle_tls": "idle", "idle_rounds": "idle",
-                         "fairness_duration": "fairness", "fairness_spin": "fairness",
-                         "fairness_tls": "fairness"}.get(k, "latency")
-                if owner in taken and k in old["config"]:
-                    data["config"][k] = old["config"][k]
-            data["config"]["parts_run"] = parts + taken
-            data["merged_from"] = {"command": old["config"]["command"], "parts": taken,
-                                   "date_utc": old["machine"].get("date_utc"),
-                                   "commit": old.get("commit")}
-            print(f"merged {', '.join(taken)} from {args.merge}", flush=True)
+        merge(data, json.loads(Path(args.merge).read_text()), parts, args.merge)
     finish(data, args)
     return 0
 
