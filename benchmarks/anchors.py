@@ -565,11 +565,13 @@ def render(data: dict) -> str:
     L: list[str] = []
     w = L.append
     w("## Against RAPIDS ucxx and raw UCX\n")
+    mf = data.get("merged_from") or []
+    mf = mf if isinstance(mf, list) else [mf]
     w(f"_Generated {m.get('date_utc')} by `{cfg['command']}` "
       f"({data.get('elapsed_min', 0):.1f} min) at commit {data.get('commit')}"
-      + (f"; parts {', '.join(data['merged_from']['parts'])} from "
-         f"`{data['merged_from']['command']}` ({data['merged_from']['date_utc']})"
-         if data.get("merged_from") else "") + "._\n")
+      + "".join(f"; {', '.join(x['parts'])} from `{x['command']}` ({x['date_utc']}"
+                + (f", {x['elapsed_min']:.1f} min" if x.get("elapsed_min") else "") + ")"
+                for x in mf) + "._\n")
     if cfg.get("note"):
         w(f"**{cfg['note']}**\n")
     w(f"- {m.get('cpus')} CPUs ({m.get('cpu_model', '?')}"
@@ -855,10 +857,12 @@ def merge(data: dict, old: dict, parts: list[str], name: str) -> None:
             cfg["parts_run"] = cfg["parts_run"] + [part]
             taken.append(part)
     if taken:
-        data["merged_from"] = {"command": ocfg["command"], "parts": taken,
-                               "date_utc": old["machine"].get("date_utc"),
-                               "commit": old.get("commit"),
-                               "load": [old.get("load_start"), old.get("load_end")]}
+        prev = old.get("merged_from") or []
+        data["merged_from"] = (prev if isinstance(prev, list) else [prev]) + [{
+            "command": ocfg["command"], "parts": taken,
+            "date_utc": old["machine"].get("date_utc"), "commit": old.get("commit"),
+            "elapsed_min": old.get("elapsed_min"),
+            "load": [old.get("load_start"), old.get("load_end")]}]
         print(f"merged {', '.join(taken)} from {name}", flush=True)
 
 
