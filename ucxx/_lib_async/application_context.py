@@ -4,6 +4,7 @@ logic of the asyncio API (handshake, endpoint and listener bookkeeping)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import ipaddress
 import logging
@@ -60,12 +61,28 @@ def _normalize_options(options) -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _known_options() -> frozenset[str]:
+    """The names of DEFAULT_UCX_OPTIONS the loaded UCX has
+    (TCP_USER_TIMEOUT, say, only from UCX 1.22 on): UCX refuses the
+    others."""
+    known = set()
+    for name, value in DEFAULT_UCX_OPTIONS.items():
+        try:
+            _ucxx.get_config({name: value})
+        except UCXError:
+            continue
+        known.add(name)
+    return frozenset(known)
+
+
 def effective_options(options=None) -> dict[str, str]:
     """``options`` plus this package's defaults for the options that neither
-    ``options`` nor the environment set."""
+    ``options`` nor the environment set and that the loaded UCX has."""
     opts = _normalize_options(options)
     for name, value in DEFAULT_UCX_OPTIONS.items():
-        if name not in opts and f"UCX_{name}" not in os.environ:
+        if (name not in opts and f"UCX_{name}" not in os.environ
+                and name in _known_options()):
             opts[name] = value
     return opts
 
