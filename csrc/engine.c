@@ -371,6 +371,10 @@ ucxx_spin_feedback(RequestObject *r)
     if (block <= b) {
         return;
     }
+    if (w->spin_backoff > 0) {
+        w->spin_backoff--;
+        return;
+    }
     if (block <= UCXX_SPIN_CAP_US && st->ucx_calls == r->sleep_calls) {
         if (b < UCXX_SPIN_CAP_US) {
             b = b * 2 < UCXX_SPIN_GROW_US ? UCXX_SPIN_GROW_US : b * 2;
@@ -379,6 +383,21 @@ ucxx_spin_feedback(RequestObject *r)
         }
     } else if (b > 0) {
         w->spin_us = b / 2 < UCXX_SPIN_GROW_US ? 0.0 : b / 2;
+        w->spin_shrinks++;
+    }
+}
+
+/* An auto spin expired with nothing.  While most spins do (the machine is
+ * oversubscribed: the peer's reply waits for a CPU, which spinning only
+ * keeps busy), stop spinning for UCXX_SPIN_BACKOFF sleeps. */
+static void
+spin_missed(WorkerObject *w)
+{
+    w->spin_hit_rate -= w->spin_hit_rate / 8;
+    if (w->spin_hit_rate < 0.5) {
+        w->spin_hit_rate = 0.5;
+        w->spin_us = 0.0;
+        w->spin_backoff = UCXX_SPIN_BACKOFF;
         w->spin_shrinks++;
     }
 }
@@ -499,6 +518,10 @@ ucxx_spin(RequestObject *r)
     }
     if (rc == UCXX_SPIN_DONE) {
         w->spin_hits++;
+        w->spin_hit_rate += (1.0 - w->spin_hit_rate) / 8;
+    } else if (rc == UCXX_SPIN_SLEEP && w->wakeups == wakeups &&
+               w->spin_auto) {
+        spin_missed(w);
     }
     return rc;
 }

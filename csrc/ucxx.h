@@ -202,6 +202,9 @@ struct WorkerObject {
                                     by dispatch: a spin ends when it grows */
     int spin_progressed;         /* thread mode: the loop thread's spin
                                     called ucp_worker_progress */
+    double spin_hit_rate;        /* auto: moving average of spins that
+                                    caught their completion */
+    unsigned spin_backoff;       /* auto: sleeps left before it may grow */
     unsigned long spin_hits, spin_grows, spin_shrinks, slice_yields;
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
@@ -392,6 +395,7 @@ int ucxx_address_check(ucxx_state *st, const uint8_t *a, Py_ssize_t len);
  * completions. */
 #define UCXX_SPIN_GROW_US 10.0
 #define UCXX_SPIN_CAP_US 200.0
+#define UCXX_SPIN_BACKOFF 32
 #define UCXX_POLL_SPIN_US 100.0
 #define UCXX_SLICE_US 200.0
 #define UCXX_SLICE_CHECK 32

@@ -183,6 +183,7 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     ucxx_list_init(&w->conn_ready);
     ucxx_list_init(&w->am_ready);
     w->context = (ContextObject *)Py_NewRef(ctx);
+    w->spin_hit_rate = 1.0;
     if (set_spin(w, spin) < 0) {
         return worker_new_failed(w);
     }

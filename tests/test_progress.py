@@ -310,6 +310,7 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
         assert s.w.spin_stats["slice_yields"] > yields
 
 
+@pytest.mark.timing
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["blocking", "thread"])
 async def test_auto_spin_grows_with_a_peer_and_shrinks_when_idle(mode):
