@@ -414,6 +414,8 @@ int ucxx_spin(RequestObject *r);
 int ucxx_slice_spent(WorkerObject *w);
 PyObject *ucxx_slice_yield(WorkerObject *w);
 void ucxx_spin_feedback(RequestObject *r);
+void ucxx_spin_adapt(WorkerObject *w, double block_us, int busy);
+void ucxx_spin_missed(WorkerObject *w);
 
 /* loop.c: attachment to an event loop */
 int ucxx_worker_attach(WorkerObject *w, PyObject *loop);
