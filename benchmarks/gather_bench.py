@@ -51,7 +51,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -314,9 +313,6 @@ def perftest_binary() -> tuple[Path, dict]:
     return root / "bin" / "ucx_perftest", env
 
 
-_PERF_LINE = re.compile(r"^\s*Final:\s+(.*)$", re.MULTILINE)
-
-
 def run_perftest(size_arg: str, layout: str, iters: int, warmup: int, cpus,
                  port: int = 13377) -> float:
     """Bandwidth (bytes/s, one way) of ``ucx_perftest -t tag_bw`` between
@@ -345,12 +341,14 @@ def run_perftest(size_arg: str, layout: str, iters: int, warmup: int, cpus,
             server.wait()
     if proc.returncode != 0:
         raise PyBenchError(f"ucx_perftest failed: {proc.stderr.strip()[-300:]}")
-    m = _PERF_LINE.search(proc.stdout)
-    if m is None:
-        raise PyBenchError(f"ucx_perftest: no final line in {proc.stdout[-300:]!r}")
-    # -f: "Final: iters typical avg overall bw_avg bw_overall mr_avg mr_overall"
-    fields = m.group(1).split()
-    return float(fields[5]) * 1024 * 1024  # MB/s overall (2**20 bytes)
+    # -f prints one row: iterations, latency typical / average / overall,
+    # bandwidth average / overall (MB/s, 2**20 bytes), message rate average
+    # / overall.
+    rows = [ln.split() for ln in proc.stdout.splitlines()
+            if len(ln.split()) == 8 and ln.split()[0].isdigit()]
+    if not rows:
+        raise PyBenchError(f"ucx_perftest: no result row in {proc.stdout[-300:]!r}")
+    return float(rows[-1][5]) * 1024 * 1024
 
 
 def perftest_rounds(args) -> dict:
