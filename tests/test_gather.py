@@ -571,7 +571,8 @@ async def test_10000_mismatches_leak_nothing(local_tcp):
     assert w.npending == 0
     assert len(gc.get_objects()) - base_objs < 100
     grown = rss() - base_rss
-    assert grown < 4 * MiB, f"RSS grew by {grown} bytes over 10000 mismatches"
+    if "libasan" not in os.environ.get("LD_PRELOAD", ""):  # ASan keeps freed memory
+        assert grown < 4 * MiB, f"RSS grew by {grown} bytes over 10000 mismatches"
 
 
 # ------------------------------------------------------------------ cancel
