@@ -93,6 +93,56 @@ gather_recv_cb(void *request, ucs_status_t status,
     ucxx_request_op_complete(op, status);
 }
 
+/* A send run of several frames is sent packed if it is small enough: its
+ * frames copied into one contiguous buffer.  Over tcp UCX sends an IOV
+ * message with its multi-fragment protocol, a contiguous one of the same
+ * size in one fragment; the receiver's IOV receive takes either (a tagged
+ * message is bytes; the datatype is each side's own). */
+static size_t
+pack_limit(void)
+{
+    const char *e = getenv("UCXX_EXP_PACK");
+    return e ? (size_t)atol(e) : 65536;
+}
+
+static int
+run_packed(const ucxx_op *op)
+{
+    return op->nframes > 1 && op->expected <= pack_limit();
+}
+
+static int
+gather_pack(RequestObject *r)
+{
+    size_t total = 0, off = 0;
+
+    for (Py_ssize_t j = 0; j < r->nops; j++) {
+        if (run_packed(&r->ops[j])) {
+            total += r->ops[j].expected;
+        }
+    }
+    if (total == 0) {
+        return 0;
+    }
+    r->pack = PyMem_Malloc(total);
+    if (r->pack == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t j = 0; j < r->nops; j++) {
+        ucxx_op *op = &r->ops[j];
+
+        if (!run_packed(op)) {
+            continue;
+        }
+        for (Py_ssize_t i = op->first; i < op->first + op->nframes; i++) {
+            memcpy(r->pack + off, r->bufs[i].ptr, r->bufs[i].len);
+            off += r->bufs[i].len;
+        }
+    }
+    return 0;
+}
+
 /* Buffers, runs and IOV entries of a gather of the buffers of hseq (the
  * header messages, or NULL) then seq; bad input raises before anything is
  * posted. */
@@ -129,6 +179,9 @@ gather_prepare(ucxx_state *st, RequestObject *r, PyObject *hseq,
             iovs += r->ops[j].nframes;
         }
     }
+    if (!recv && gather_pack(r) < 0) {
+        return -1;
+    }
     if (iovs == 0) {
         return 0;
     }
@@ -155,6 +208,7 @@ ucxx_gather(EndpointObject *ep, PyObject *bufs, PyObject *header,
     RequestObject *r;
     ucp_request_param_t param;
     ucp_tag_recv_info_t info;
+    size_t packed = 0;
 
     if (ep->poisoned) {
         return ucxx_raise(st, UCXX_EXC_BASE,
@@ -207,6 +261,11 @@ ucxx_gather(EndpointObject *ep, PyObject *bufs, PyObject *header,
             param.datatype = ucp_dt_make_contig(1);
             buf = b->ptr;
             count = b->len;
+        } else if (!recv && run_packed(op)) {
+            param.datatype = ucp_dt_make_contig(1);
+            buf = r->pack + packed;
+            count = op->expected;
+            packed += op->expected;
         } else {
             param.datatype = ucp_dt_make_iov();
             buf = &r->iov[op->first];

@@ -50,6 +50,7 @@ ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
     r->bufs = &r->buf1;
     r->nbufs = 0;
     r->iov = NULL;
+    r->pack = NULL;
     r->bad_op = -1;
     r->nconsumed = 0;
     r->result = NULL;
@@ -754,6 +755,7 @@ Request_dealloc(RequestObject *r)
         PyMem_Free(r->ops);
     }
     PyMem_Free(r->iov);
+    PyMem_Free(r->pack);
     ucxx_list_del(&r->wlink);
     ucxx_list_del(&r->elink);
     Request_clear(r);

@@ -312,6 +312,9 @@ struct RequestObject {
     ucp_dt_iov_t *iov;           /* PyMem, gathers with an IOV run (UCX
                                     reads it until the run completes), or
                                     NULL; freed in dealloc */
+    char *pack;                  /* PyMem, gather sends: the frames of the
+                                    runs sent packed, or NULL; freed in
+                                    dealloc (UCX reads it until done) */
     Py_ssize_t bad_op;           /* gather receive: the run whose message
                                     length did not match, or -1 */
     Py_ssize_t nconsumed;        /* gather receive: runs that took a message
