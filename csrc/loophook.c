@@ -328,6 +328,8 @@ find_handle_slots(ucxx_state *st, LoopHookObject *h)
     h->slots_known = ok;
 }
 
+/* The C _run_once and its helpers exist on Python 3.11 only. */
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
 /* ---- _run_once ------------------------------------------------------------
  *
  * BaseEventLoop._run_once (Python 3.11) in C, outside debug mode: select
@@ -820,6 +822,7 @@ static PyMethodDef hook_run_once_def = {
     "BaseEventLoop._run_once in C outside debug mode (installed by ucxx's\n"
     "loop hook).",
 };
+#endif
 
 /* Drop what our _run_once holds. */
 static void
@@ -862,6 +865,7 @@ keeps_base(ucxx_state *st, PyObject *loop, PyObject *name)
     return same;
 }
 
+#if PY_VERSION_HEX >= 0x030B0000 && PY_VERSION_HEX < 0x030C0000
 /* A module attribute (new reference), or NULL (error set). */
 static PyObject *
 module_attr(const char *module, const char *name)
@@ -875,6 +879,7 @@ module_attr(const char *module, const char *name)
     Py_DECREF(m);
     return v;
 }
+#endif
 
 /* Put our _run_once on the loop, after our call_soon: on Python 3.11,
  * whose _run_once it follows, when the loop runs BaseEventLoop._run_once,
