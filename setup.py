@@ -12,12 +12,14 @@ import shlex
 import subprocess
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
 
 
 def ucx_paths():
+    """(include dirs, library dirs, whether they are the libucx wheel's)."""
     home = os.environ.get("UCX_HOME")
     if home:
-        return [os.path.join(home, "include")], [os.path.join(home, "lib")]
+        return [os.path.join(home, "include")], [os.path.join(home, "lib")], False
     if os.environ.get("UCXX_USE_PKG_CONFIG", "0") == "1":
         try:
             out = subprocess.check_output(
@@ -27,16 +29,16 @@ def ucx_paths():
             flags = shlex.split(out)
             incs = [f[2:] for f in flags if f.startswith("-I")]
             libs = [f[2:] for f in flags if f.startswith("-L")]
-            return incs, libs
+            return incs, libs, False
         except (OSError, subprocess.CalledProcessError):
             pass
     import libucx
 
     root = os.path.dirname(libucx.__file__)
-    return [os.path.join(root, "include")], [os.path.join(root, "lib")]
+    return [os.path.join(root, "include")], [os.path.join(root, "lib")], True
 
 
-include_dirs, library_dirs = ucx_paths()
+include_dirs, library_dirs, ucx_from_wheel = ucx_paths()
 extra_compile_args = ["-std=gnu11", "-Wall", "-Wextra", "-Wno-unused-parameter",
                       "-Wno-missing-field-initializers"]
 extra_link_args = []
@@ -52,18 +54,34 @@ if os.environ.get("UCXX_SANITIZE", "0") == "1":
 else:
     extra_compile_args += ["-O2"]
 
-# The wheel's libraries are loaded by ucxx/__init__.py (libucx.load_library)
-# before the extension; the rpath is a fallback for a system UCX.
+
+class BuildExt(build_ext):
+    """With the libucx wheel, the extension gets no run-time search path:
+    ucxx/__init__.py loads the wheel's libraries (libucx.load_library)
+    before the extension, wherever the wheel is installed, while a path
+    recorded at build time (the temporary build environment's libucx, or
+    the interpreter's own lib directory from its LDSHARED) means nothing
+    on the machine the extension is installed on. A system UCX (UCX_HOME,
+    pkg-config) is found through the rpath to its lib directory."""
+
+    def build_extensions(self):
+        if ucx_from_wheel:
+            self.compiler.linker_so = [
+                a for a in self.compiler.linker_so if not a.startswith("-Wl,-rpath")
+            ]
+        super().build_extensions()
+
+
 ext = Extension(
     "ucxx._ucxx",
     sources=sorted(glob.glob("csrc/*.c")),
     depends=["csrc/ucxx.h"],
     include_dirs=include_dirs,
     library_dirs=library_dirs,
-    runtime_library_dirs=library_dirs,
+    runtime_library_dirs=[] if ucx_from_wheel else library_dirs,
     libraries=["ucp", "ucs", "dl"],
     extra_compile_args=extra_compile_args,
     extra_link_args=extra_link_args,
 )
 
-setup(ext_modules=[ext])
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})

@@ -1,7 +1,8 @@
 /*
  * context.c - Context wraps ucp_context_h (ucp_init).  Owns the context and
  * its config dict; close() or dealloc releases it (workers keep a strong
- * reference, so it outlives them).  Also get_config() without a context.
+ * reference, so it outlives them; dealloc of an open one warns).  Also
+ * get_config() without a context.
  */
 #include "ucxx.h"
 #include <stdio.h>
@@ -324,11 +325,33 @@ Context_clear(ContextObject *self)
     return 0;
 }
 
+/* An open context warns (ResourceWarning) as an open worker does; dealloc
+ * releases it. */
+static void
+Context_finalize(ContextObject *self)
+{
+    PyObject *exc;
+
+    if (self->handle == NULL) {
+        return;
+    }
+    exc = PyErr_GetRaisedException_compat();
+    if (PyErr_ResourceWarning((PyObject *)self, 1, "unclosed %R", self) < 0) {
+        PyErr_WriteUnraisable((PyObject *)self);
+    }
+    if (exc != NULL) {
+        PyErr_SetRaisedException_compat(exc);
+    }
+}
+
 static void
 Context_dealloc(ContextObject *self)
 {
     PyTypeObject *tp = Py_TYPE(self);
 
+    if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0) {
+        return;
+    }
     PyObject_GC_UnTrack(self);
     if (self->weakreflist != NULL) {
         PyObject_ClearWeakRefs((PyObject *)self);
@@ -369,6 +392,7 @@ static PyType_Slot Context_slots[] = {
     {Py_tp_doc, (void *)Context_doc},
     {Py_tp_new, Context_new},
     {Py_tp_dealloc, Context_dealloc},
+    {Py_tp_finalize, Context_finalize},
     {Py_tp_traverse, Context_traverse},
     {Py_tp_clear, Context_clear},
     {Py_tp_methods, Context_methods},

@@ -865,8 +865,10 @@ Endpoint_dealloc(EndpointObject *ep)
 static PyObject *
 Endpoint_repr(EndpointObject *ep)
 {
-    return PyUnicode_FromFormat("<ucxx.Endpoint uid=%llx %s>",
-                                (unsigned long long)ep->uid,
+    char uid[24]; /* PyUnicode_FromFormat has no %llx before Python 3.12 */
+
+    snprintf(uid, sizeof(uid), "%llx", (unsigned long long)ep->uid);
+    return PyUnicode_FromFormat("<ucxx.Endpoint uid=%s %s>", uid,
                                 ep->error != UCS_OK ? "failed" :
                                 ep->closed ? "closed" : "open");
 }

@@ -605,7 +605,7 @@ Request_iternext(RequestObject *r)
     case PYGEN_NEXT:
         return res;
     case PYGEN_RETURN:
-        _PyGen_SetStopIterationValue(res);
+        PyGen_SetStopIterationValue_compat(res);
         Py_DECREF(res);
         return NULL;
     default:

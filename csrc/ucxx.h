@@ -55,6 +55,21 @@ PyErr_SetRaisedException_compat(PyObject *exc)
                   PyException_GetTraceback(exc));
 }
 
+/* Raise StopIteration(value), as a generator's return does (Python 3.13
+ * has no public _PyGen_SetStopIterationValue). 0 or -1 (error set). */
+static inline int
+PyGen_SetStopIterationValue_compat(PyObject *value)
+{
+    PyObject *e = PyObject_CallOneArg(PyExc_StopIteration, value);
+
+    if (e == NULL) {
+        return -1;
+    }
+    PyErr_SetObject(PyExc_StopIteration, e);
+    Py_DECREF(e);
+    return 0;
+}
+
 /* Exception classes, indexed; the table lives in status.c. */
 enum {
     UCXX_EXC_BASE = 0,

@@ -69,6 +69,7 @@ def say(*words):
 async def _role_echo(w, ep, cfg):
     hdr = bytearray(8)
     n_msgs = 0
+    delay = cfg.get("delay_s", 0)  # before each echo
     while True:
         await ep.tag_recv(hdr, 1)
         (n,) = struct.unpack("<Q", hdr)
@@ -77,6 +78,8 @@ async def _role_echo(w, ep, cfg):
         buf = bytearray(n)
         got = await ep.tag_recv(buf, 2)
         assert got == n, (got, n)
+        if delay:
+            await asyncio.sleep(delay)
         await ep.tag_send(buf, 3)
         n_msgs += 1
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import array
 import asyncio
+import contextlib
 import random
 import struct
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -106,6 +108,53 @@ async def local_tcp():
 
 
 # ------------------------------------------------------------------ buffers
+class FinalizerReport:
+    """What :func:`finalizer_report` saw, as text (the objects themselves
+    are not kept, so that they can be collected): ``warnings``, one
+    ``(category, message)`` per warning, and ``unraisable``, one line per
+    exception sent to ``sys.unraisablehook``."""
+
+    def __init__(self):
+        self.warnings: list[tuple[type, str]] = []
+        self.unraisable: list[str] = []
+
+    def resource_warnings(self, match: str = "") -> list[str]:
+        return [m for c, m in self.warnings if issubclass(c, ResourceWarning) and match in m]
+
+    def describe(self) -> str:
+        return "; ".join([f"{c.__name__}: {m}" for c, m in self.warnings]
+                         + [f"unraisable: {u}" for u in self.unraisable])
+
+
+@contextlib.contextmanager
+def finalizer_report():
+    """Record every warning and every unraisable exception issued inside the
+    block, finalizers included. A warning raised by a finalizer (``__del__``,
+    ``tp_finalize``) cannot propagate: with an "error" filter it goes to
+    ``sys.unraisablehook``, which pytest only reports; recorded here, the
+    test can assert on it."""
+    report = FinalizerReport()
+
+    def hook(u):
+        report.unraisable.append(
+            f"{type(u.exc_value).__name__}: {u.exc_value} ({u.err_msg or 'in'} {u.object!r})")
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        report.warnings.append((category, str(message)))
+
+    saved = sys.unraisablehook
+    sys.unraisablehook = hook
+    try:
+        # Not record=True: a recorded warning keeps its source (the object
+        # whose finalizer warned) alive; only the text is kept.
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            yield report
+    finally:
+        sys.unraisablehook = saved
+
+
 def pattern(n: int, seed: int = 0) -> bytes:
     """n deterministic pseudo-random bytes."""
     if n == 0:

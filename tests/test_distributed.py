@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("distributed")
 pytest.importorskip("pytest_asyncio")
 
+import dask  # noqa: E402
 from distributed.comm import (  # noqa: E402
     CommClosedError,
     connect,
@@ -52,7 +53,10 @@ pytestmark = pytest.mark.leak_check
 @pytest.fixture(scope="module", autouse=True)
 def _warm_up_distributed():
     """Threads distributed starts once per process and keeps (the offload
-    executor) are started before the per-test leak baselines are taken."""
+    executor) are started before the per-test leak baselines are taken.
+    distributed's sampling profiler is off: on Python 3.12 and later (not
+    3.11) each server starts a "Profile" thread that ends only once its
+    event loop is closed, after the test's leak check."""
     from multiprocessing import resource_tracker
 
     from distributed.utils import _offload_executor
@@ -61,7 +65,8 @@ def _warm_up_distributed():
     # spawned worker processes start multiprocessing's resource tracker
     # (a process and a pipe kept until exit)
     resource_tracker.ensure_running()
-    yield
+    with dask.config.set({"distributed.worker.profile.enabled": False}):
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -447,27 +447,33 @@ async def test_polling_spin_budget_in_one_process():
 async def test_spin_budget_two_processes(mode):
     """A reply from another process that arrives within the spin budget
     completes the await without a loop turn; without a budget the task
-    suspends and the loop turns."""
+    suspends and the loop turns. The peer echoes 2 ms after the request,
+    well within the budget, and the receive is awaited before the sends:
+    the reply cannot be there before the await, where the arm that
+    precedes a suspension would complete it without one."""
     loop = asyncio.get_running_loop()
     results = {}
     for spin in (0.0, 200000.0):
-        s = await _peer.connect("tcp", "echo", mode, spin, peer_mode="blocking")
+        s = await _peer.connect("tcp", "echo", mode, spin, peer_mode="blocking",
+                                delay_s=0.002)
         try:
             w, ep = s.w, s.ep
             turned = []
             for i in range(40):
                 out = bytearray(64)
                 r = ep.tag_recv(out, 3)
-                await ep.tag_send(struct.pack("<Q", 64), 1)
-                await ep.tag_send(pattern(64, i), 2)
+                sends = [ep.tag_send(struct.pack("<Q", 64), 1),
+                         ep.tag_send(pattern(64, i), 2)]
                 counter = TurnCounter(loop)
                 yields = w.spin_stats["slice_yields"]
                 try:
-                    assert await asyncio.wait_for(r, 10) == 64 if spin == 0 else await r == 64
+                    assert await r == 64
                     # a turn the time slice gave the loop is not a suspension
                     turned.append(counter.turns > 0 and w.spin_stats["slice_yields"] == yields)
                 finally:
                     counter.stop()
+                for q in sends:
+                    await q
                 assert out == pattern(64, i)
             await ep.tag_send(struct.pack("<Q", _peer.STOP), 1)
             await s.done()

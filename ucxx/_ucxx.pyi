@@ -5,8 +5,10 @@ loop) or poll ``done()`` while calling ``Worker.progress()`` (no asyncio).
 """
 
 import asyncio
-from collections.abc import Buffer, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Generator, Sequence
 from typing import Any
+
+from typing_extensions import Buffer, Self, disjoint_base, final
 
 # (major, minor, release) of the UCX headers this extension was built with.
 UCX_BUILD_VERSION: tuple[int, int, int]
@@ -53,6 +55,7 @@ def get_config(options: dict[str, str] | None = None) -> dict[str, str]:
     after applying ``options``; creates no context. Unknown option names raise
     UCXConfigError naming the option."""
 
+@disjoint_base
 class Context:
     """``Context(options={}, features=DEFAULT_FEATURES,
     env_takes_precedence=False)``: ``ucp_init``.
@@ -61,12 +64,12 @@ class Context:
     (``{"TLS": "tcp"}``). With ``env_takes_precedence`` an option already set
     in the environment (``UCX_TLS``) wins over ``options``."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         options: dict[str, str] | None = None,
         features: int = ...,
         env_takes_precedence: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     @property
     def config(self) -> dict[str, str]: ...
     @property
@@ -80,6 +83,7 @@ class Context:
     def close(self) -> None:
         """Idempotent. Raises UCXError if workers are still open on it."""
 
+@final
 class Request:
     """The awaitable of one transfer (or of one gather).
 
@@ -89,9 +93,9 @@ class Request:
     pending, it holds the buffers it was given."""
 
     def __await__(self) -> Any: ...
-    def send(self, value: None) -> Any:
+    def send(self, value: None, /) -> Any:
         """Coroutine protocol (the Request is its own iterator)."""
-    def throw(self, typ: Any, val: Any = ..., tb: Any = ...) -> Any:
+    def throw(self, typ: Any, val: Any = ..., tb: Any = ..., /) -> Any:
         """Coroutine protocol: a cancelled await cancels a pending receive."""
     def close(self) -> None: ...
     def done(self) -> bool: ...
@@ -105,6 +109,7 @@ class Request:
     def status(self) -> int:
         """UCS status code (0 = OK, 1 = in progress, negative = error)."""
 
+@disjoint_base
 class Worker:
     """``Worker(context, progress_mode="blocking", spin_us=None)``:
     ``ucp_worker_create`` (thread mode SINGLE; SERIALIZED in the thread
@@ -118,12 +123,12 @@ class Worker:
     ``"auto"`` in blocking and thread mode, 100 in polling mode, 0 in
     thread-polling mode."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         context: Context,
         progress_mode: str = "blocking",
         spin_us: float | str | None = None,
-    ) -> None: ...
+    ) -> Self: ...
     context: Context
     progress_mode: str
     spin_us: float
@@ -165,7 +170,7 @@ class Worker:
         """``ucp_worker_arm``: True if armed, False if busy (progress again)."""
     def signal(self) -> None: ...
     def info(self) -> str: ...
-    def start(self, loop: asyncio.AbstractEventLoop) -> asyncio.Task[None]:
+    def start(self, loop: asyncio.AbstractEventLoop, /) -> asyncio.Task[None]:
         """Attach the worker to ``loop``: register the event-fd reader
         (blocking mode) and start the one progress coroutine in a Task.
         Idempotent per loop; returns the Task. Awaiting a request inside a
@@ -173,7 +178,7 @@ class Worker:
     def stop(self) -> None:
         """Detach from the current loop (remove reader, end the task)."""
     def tag_recv(
-        self, buf: Buffer, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF
+        self, buf: Buffer, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF, /
     ) -> Request:
         """Receive into a writable C-contiguous buffer from any endpoint."""
     def ep_from_address(
@@ -197,7 +202,7 @@ class Worker:
         """``ucp_listener_create``; ``callback(endpoint)`` is called from the
         event loop (``loop.call_soon``) for each accepted connection."""
     def register_am_allocator(
-        self, memory_type: int, allocator: Callable[[int], Buffer]
+        self, memory_type: int, allocator: Callable[[int], Buffer], /
     ) -> None:
         """Allocator used by ``am_recv`` for messages of that memory type
         (``MEMORY_TYPE_HOST``, ``MEMORY_TYPE_CUDA``, or another UCS memory
@@ -206,6 +211,7 @@ class Worker:
         """Idempotent: fail pending requests with UCXCanceledError, remove
         the reader, end the progress task, ``ucp_worker_destroy``."""
 
+@final
 class Endpoint:
     """A ``ucp_ep_h``. Created by Worker or Listener, never directly."""
 
@@ -235,12 +241,12 @@ class Endpoint:
         ``send_tag`` unless ``force_tag``."""
     def recv(self, buf: Buffer, tag: int | None = None, force_tag: bool = False) -> Request:
         """Tagged receive (full mask) on ``recv_tag`` (or mixed/forced tag)."""
-    def tag_send(self, buf: Buffer, tag: int) -> Request: ...
-    def tag_recv(self, buf: Buffer, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF) -> Request:
+    def tag_send(self, buf: Buffer, tag: int, /) -> Request: ...
+    def tag_recv(self, buf: Buffer, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF, /) -> Request:
         """Like Worker.tag_recv but tracked by this endpoint: it fails when
         the endpoint closes or the peer dies."""
-    def stream_send(self, buf: Buffer) -> Request: ...
-    def stream_recv(self, buf: Buffer) -> Request:
+    def stream_send(self, buf: Buffer, /) -> Request: ...
+    def stream_recv(self, buf: Buffer, /) -> Request:
         """Receives exactly len(buf) bytes (WAITALL)."""
     def gather_send(self, buffers: Sequence[Buffer], tag: int | None = None, force_tag: bool = False,
                     header: Sequence[Buffer] | None = None) -> Request:
@@ -255,10 +261,10 @@ class Endpoint:
     def gather_runs(cls, buffers: Sequence[Buffer], /) -> list[tuple[int, int, int, bool]]:
         """(first frame, frame count, bytes, is IOV) of each message a gather
         of ``buffers`` is made of; both sides derive the same list."""
-    def am_send(self, buf: Buffer) -> Request: ...
+    def am_send(self, buf: Buffer, /) -> Request: ...
     def am_recv(self) -> Request:
         """Next active message from this endpoint (queued until received)."""
-    def set_close_callback(self, callback: Callable[[], object] | None) -> None:
+    def set_close_callback(self, callback: Callable[[], object] | None, /) -> None:
         """Called once, from the loop, when the endpoint closes or fails."""
     def close(self) -> Request:
         """Graceful (flush) close; awaitable. Pending receives fail with
@@ -269,6 +275,7 @@ class Endpoint:
         """The peer announced its close: abort; later receives still match
         messages that had already arrived."""
 
+@final
 class Listener:
     worker: Worker
     @property
@@ -279,12 +286,14 @@ class Listener:
     def closed(self) -> bool: ...
     def close(self) -> None: ...
 
+@final
 class ProgressCoroutine(Coroutine[Any, Any, None]):
     """The C coroutine driving a Worker on one loop (see Worker.start)."""
 
     @property
     def worker(self) -> Worker: ...
-    def send(self, value: None) -> Any: ...
-    def throw(self, typ: Any, val: Any = ..., tb: Any = ...) -> Any: ...
+    def __await__(self) -> Generator[Any, None, None]: ...
+    def send(self, value: None, /) -> Any: ...
+    def throw(self, typ: Any, val: Any = ..., tb: Any = ..., /) -> Any: ...
     def close(self) -> None: ...
 

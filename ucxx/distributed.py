@@ -26,7 +26,6 @@ sends, so that the listener side knows its peer's address.
 from __future__ import annotations
 
 import asyncio
-import inspect
 import itertools
 import logging
 import os
@@ -164,19 +163,12 @@ def init_once() -> None:
             "env_takes_precedence": True,
             "progress_mode": mode,
         }
-        params = inspect.signature(ucxx.init).parameters
         timeout = _config("connect-timeout")
-        if timeout is not None and "connect_timeout" in params:
+        if timeout is not None:
             kwargs["connect_timeout"] = float(timeout)
         spin = _config("spin-us")
         if spin is not None:
-            if "spin_us" in params:
-                kwargs["spin_us"] = spin if spin == "auto" else float(spin)
-            else:
-                logger.warning(
-                    "distributed.comm.ucxx.spin-us is set but this ucxx cannot "
-                    "take it; ignored"
-                )
+            kwargs["spin_us"] = spin if spin == "auto" else float(spin)
         logger.debug("ucxx.init(%s)", kwargs)
         ucxx.init(**kwargs)
         _owns_context = True

@@ -216,12 +216,7 @@ def ucx_config_value(name: str) -> str:
     ``ucxx.get_config()`` (keys without the ``UCX_`` prefix)."""
     import ucxx
 
-    getter = getattr(ucxx, "get_config", None)
-    if getter is None:
-        from ucxx import _ucxx
-
-        getter = _ucxx.get_config
-    return getter().get(name, "")
+    return ucxx.get_config().get(name, "")
 
 
 def print_ucx_config() -> None:

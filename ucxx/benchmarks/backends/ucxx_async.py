@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import inspect
 import sys
 from argparse import Namespace
 from time import perf_counter
@@ -32,11 +31,8 @@ def init_ucxx(args: Namespace) -> None:
 
 def teardown_ucxx() -> None:
     """Release the global context (best effort: the process exits next)."""
-    reset = getattr(ucxx, "reset", None)
-    if reset is None:
-        return
     try:
-        reset()
+        ucxx.reset()
     except Exception as e:  # reported, not fatal: the results are in
         print(f"ucxx-async: ucxx.reset() failed: {e!r}", file=sys.stderr)
 
@@ -46,26 +42,18 @@ def register_am_allocators(args: Namespace) -> None:
     the benchmark (host: numpy; cupy/rmm: device memory)."""
     if not args.enable_am:
         return
-    register = getattr(ucxx, "register_am_allocator", None)
     if args.object_type == "numpy":
-        if register is not None:
-            import numpy as np
+        import numpy as np
 
-            register(lambda n: np.empty(n, dtype=np.uint8), "host")
-        return
-    if register is None:
-        raise RuntimeError(
-            "--enable-am with CUDA objects needs ucxx.register_am_allocator, "
-            "which this ucxx does not have"
-        )
-    if args.object_type == "cupy":
+        ucxx.register_am_allocator(lambda n: np.empty(n, dtype=np.uint8), "host")
+    elif args.object_type == "cupy":
         import cupy as cp
 
-        register(lambda n: cp.empty(n, dtype=cp.uint8), "cuda")
+        ucxx.register_am_allocator(lambda n: cp.empty(n, dtype=cp.uint8), "cuda")
     else:
         import rmm
 
-        register(lambda n: rmm.DeviceBuffer(size=n), "cuda")
+        ucxx.register_am_allocator(lambda n: rmm.DeviceBuffer(size=n), "cuda")
 
 
 # How long the client waits for the server to close the connection.
@@ -73,17 +61,14 @@ PEER_CLOSE_TIMEOUT = 10.0
 
 
 def _close_future(ep):
-    """A future resolved when ``ep`` closes (None if it cannot tell)."""
-    set_cb = getattr(ep, "set_close_callback", None)
-    if set_cb is None:
-        return None
+    """A future resolved when ``ep`` closes."""
     fut = asyncio.get_running_loop().create_future()
 
     def on_close(*_args):
         if not fut.done():
             fut.set_result(None)
 
-    set_cb(on_close)
+    ep.set_close_callback(on_close)
     return fut
 
 
@@ -148,16 +133,13 @@ class UCXPyAsyncServer(BaseServer):
                 if not done.done():
                     done.set_result(None)
 
-        kwargs = {}
-        if _accepts_host(ucxx.create_listener):
-            # Listen where the client is told to connect (RAPIDS: all
-            # interfaces; -s names the one that is used either way).
-            kwargs["host"] = args.server_address
+        # Listen where the client is told to connect (RAPIDS: all
+        # interfaces; -s names the one that is used either way).
         lf = ucxx.create_listener(
             server_handler,
             port=args.port,
             endpoint_error_handling=args.error_handling,
-            **kwargs,
+            host=args.server_address,
         )
         self.queue.put(lf.port)
         try:
@@ -239,11 +221,10 @@ class UCXPyAsyncClient(BaseClient):
         await _send_terminal_ack(ep, args.enable_am)
         sent = msg_send[0] if isinstance(msg_send, list) else msg_send
         check_echo(msg_recv, sent, 1 if args.enable_am else args.n_buffers)
-        if peer_closed is not None:
-            try:
-                await asyncio.wait_for(peer_closed, PEER_CLOSE_TIMEOUT)
-            except asyncio.TimeoutError:
-                pass
+        try:
+            await asyncio.wait_for(peer_closed, PEER_CLOSE_TIMEOUT)
+        except asyncio.TimeoutError:
+            pass
         await ep.close()
         del ep
         teardown_ucxx()
@@ -255,10 +236,3 @@ class UCXPyAsyncClient(BaseClient):
         )
         print_key_value(key="Progress mode", value=f"{self.args.progress_mode}")
         print_ucx_config()
-
-
-def _accepts_host(func) -> bool:
-    try:
-        return "host" in inspect.signature(func).parameters
-    except (TypeError, ValueError):
-        return False
