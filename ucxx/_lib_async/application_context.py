@@ -32,18 +32,20 @@ DEFAULT_UCX_OPTIONS = {
     # Detect a dead peer within a few seconds on every transport (shared
     # memory has no connection whose reset the kernel would report).
     "KEEPALIVE_INTERVAL": "1s",
-    # UCX's tcp transport does not use KEEPALIVE_INTERVAL: it relies on the
-    # kernel's TCP keepalive (UCX defaults: 10 s idle, 2 s interval, the
-    # kernel's 9 probes: 18-28 s for a silent host). 1 s + 3 x 1 s = 4 s
-    # (without a user timeout; with one, Linux closes after the user timeout).
-    "TCP_KEEPIDLE": "1s",
-    "TCP_KEEPINTVL": "1s",
-    "TCP_KEEPCNT": "3",
-    # Keepalive does not run while data is unacknowledged (a link that goes
-    # down during a send): only the user timeout bounds that case (UCX's
-    # "auto" leaves the kernel's tcp_retries2, about 15 minutes). Linux also
-    # applies it to a peer whose receive window stays closed (a receiver that
-    # stalls with a backlog), so it is long: 30 s, as Dask's own tcp comm.
+    # UCX's tcp transport either enables the kernel's TCP keepalive (UCX's
+    # default: 10 s idle, 2 s interval, the kernel's 9 probes) or, when it is
+    # disabled, gets UCX's own keepalive: a small message on every endpoint
+    # each KEEPALIVE_INTERVAL. UCX sets the kernel's keepalive only on the
+    # sockets it connects, not on those it accepts, and between two workers
+    # the one with the lower address connects: the other side of an idle
+    # connection to a silent host would never notice. UCX's messages run on
+    # both sides, and keep data unacknowledged on a dead link, where the
+    # user timeout below bounds the detection.
+    "TCP_KEEPIDLE": "inf",
+    # Time data may stay unacknowledged (UCX's "auto" leaves the kernel's
+    # tcp_retries2, about 15 minutes). Linux also applies it to a peer whose
+    # receive window stays closed (a receiver that stalls with a backlog),
+    # so it is long: 30 s, as Dask's own tcp comm.
     "TCP_USER_TIMEOUT": "30s",
 }
 
