@@ -133,7 +133,8 @@ def test_default_ucx_options(monkeypatch):
     it."""
     from ucxx._lib_async.application_context import effective_options
 
-    defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "inf", "TCP_USER_TIMEOUT": "30s"}
+    defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "inf", "TCP_USER_TIMEOUT": "30s",
+                "TCP_CM_REUSEADDR": "y"}
     for name in defaults:
         monkeypatch.delenv(f"UCX_{name}", raising=False)
     assert effective_options() == defaults

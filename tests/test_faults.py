@@ -515,6 +515,62 @@ async def test_shm_send_to_killed_peer_raises_typed_error(run_peer, fault_transp
         victim.ep.abort()
 
 
+LISTEN_ON_PORT = r"""
+import asyncio, os, ucxx
+async def main():
+    async def echo(ep):
+        while True:
+            await ep.send_obj(await ep.recv_obj())
+    try:
+        lst = ucxx.create_listener(echo, port=int(os.environ["UXF_PORT"]), host="127.0.0.1")
+    except ucxx.UCXError as e:
+        print("FAILED", type(e).__name__, flush=True)
+        return
+    print("LISTENING", lst.port, flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reuseaddr", ["default", "n"])
+@pytest.mark.parametrize("fault_transport", ["tcp"], indirect=True)
+async def test_listener_restarted_on_its_port_after_kill(run_peer, fault_transport, reuseaddr):
+    """A server killed with connections open leaves them in TIME_WAIT (or
+    FIN_WAIT2) on its port. With the package's default (SO_REUSEADDR,
+    ``TCP_CM_REUSEADDR=y``) a new server listens on the same port at once;
+    with UCX's own ``n`` it fails with UCXBusyError until they expire."""
+    from conftest import free_port
+
+    port = free_port()
+    extra = {} if reuseaddr == "default" else {"UCX_TCP_CM_REUSEADDR": reuseaddr}
+    env = _env(FAULT_TRANSPORTS["tcp"], UXF_PORT=port, **extra)
+    first = run_peer(LISTEN_ON_PORT, env=env)
+    assert await first.expect("LISTENING") == str(port)
+    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    await ep.send_obj(b"ping")
+    assert bytes(await ep.recv_obj()) == b"ping"
+    os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait(5)
+    with pytest.raises(ucxx.UCXError):
+        await asyncio.wait_for(ep.recv_obj(), KILL_BOUND_S)
+    ep.abort()
+    if shutil.which("ss"):
+        lingering = subprocess.run(["ss", "-tanH", f"sport = :{port}"], capture_output=True,
+                                   text=True).stdout
+        assert "TIME-WAIT" in lingering or "FIN-WAIT" in lingering, lingering
+    second = run_peer(LISTEN_ON_PORT, env=env)
+    line = await second.expect("")
+    if reuseaddr == "default":
+        assert line == f"LISTENING {port}", line
+        ep2 = await ucxx.create_endpoint("127.0.0.1", port)
+        await ep2.send_obj(b"again")
+        assert bytes(await ep2.recv_obj()) == b"again"
+        await ep2.close()
+    else:
+        assert line == "FAILED UCXBusyError", line
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault_transport", ["tcp"], indirect=True)
 async def test_listener_keeps_serving_after_client_killed(run_peer, fault_transport):

@@ -47,6 +47,12 @@ DEFAULT_UCX_OPTIONS = {
     # receive window stays closed (a receiver that stalls with a backlog),
     # so it is long: 30 s, as Dask's own tcp comm.
     "TCP_USER_TIMEOUT": "30s",
+    # SO_REUSEADDR on listening sockets, as asyncio's servers and Dask's tcp
+    # comm have: a listener restarted on its port (a scheduler or worker
+    # after a crash) binds while the old connections are in TIME_WAIT,
+    # instead of failing with UCXBusyError for a minute. Two listeners on
+    # one port still fail.
+    "TCP_CM_REUSEADDR": "y",
 }
 
 
