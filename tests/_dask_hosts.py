@@ -117,8 +117,11 @@ class Cluster:
         if self.protocol == "tcp":
             return {}
         if how == "config":
-            key = "UCX" if self.protocol == "ucx" else "UCXX"
-            return {f"DASK_DISTRIBUTED__COMM__{key}__ENVIRONMENT__NET_DEVICES": host.ifname}
+            # distributed-ucxx's section is "distributed-ucxx", ours
+            # "distributed.comm.ucxx"
+            key = ("DASK_DISTRIBUTED_UCXX__" if self.protocol == "ucx"
+                   else "DASK_DISTRIBUTED__COMM__UCXX__")
+            return {f"{key}ENVIRONMENT__NET_DEVICES": host.ifname}
         return {"UCX_NET_DEVICES": host.ifname}
 
     def _start(self, name: str, host, argv, env) -> Proc:
@@ -139,7 +142,7 @@ class Cluster:
         self.scheduler = self._start(
             "scheduler", h,
             [_bin("dask"), "scheduler", "--protocol", self.protocol, "--interface", h.ifname,
-             "--port", self.port, "--no-dashboard"], env)
+             "--port", self.port, "--no-dashboard", "--dashboard-address", ":0"], env)
 
     def start_worker(self, host: str, name: str, style: str = "interface",
                      ucx_config: str = "env", nthreads: int = 1, port: int = 0,

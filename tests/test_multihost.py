@@ -426,3 +426,54 @@ def test_nothing_left_behind(net):
     assert not set(names) & set(_netns.list_namespaces())
     # our own module network is untouched
     assert not set(net.namespaces()) - set(_netns.list_namespaces())
+
+
+# --------------------------------------------------------------------------
+# distributed-ucxx's ucx:// on this engine
+
+
+def _ucx_scheme_unavailable() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("distributed_ucxx") is None:
+        return ("distributed-ucxx is not installed (ucx:// is its scheme; it runs on this "
+                "ucxx once ucxx provides the API it calls, docs/DASK.md)")
+    from ucxx._lib_async import ApplicationContext
+
+    if not hasattr(ApplicationContext, "start_notifier_thread"):
+        return "this ucxx lacks the API distributed-ucxx calls (start_notifier_thread)"
+    return None
+
+
+@pytest.mark.timeout(600)
+def test_ucx_scheme_cluster(net):
+    """The same cluster with distributed-ucxx's ``ucx://`` backend on this
+    engine: addresses on each host's eth0, a merge, a shuffle and a 64 MiB
+    transfer across a link."""
+    why = _ucx_scheme_unavailable()
+    if why:
+        pytest.skip(why)
+    cl = _dask_hosts.Cluster(net, "ucx", port=8790)
+    try:
+        cl.start_scheduler()
+        for name in ("b1", "c1"):
+            host, style, ucx_config, _port = WORKERS[name]
+            cl.start_worker(host, name, style, ucx_config=ucx_config)
+        cl.start_driver(timeout=180)
+        addr = cl.call("wait_workers", ["b1", "c1"], 120, timeout=150)["workers"]
+        assert addr["b1"].startswith(f"ucx://{net['b'].ip}:"), addr
+        assert addr["c1"].startswith(f"ucx://{net['c'].ip}:"), addr
+        reach = cl.call("reach")["from"]
+        bad = {src: r for src, res in reach.items() for r in res.values() if r.startswith("ERROR")}
+        assert not bad, bad
+        merge = cl.call("merge", 2, 20_000, 1, timeout=180)
+        assert merge["ok"], merge
+        shuffle = cl.call("shuffle", 2, 20_000, 2, "tasks", timeout=180)
+        assert shuffle["ok"], shuffle
+        b0 = net.counters("b")["from_host"]
+        cl.call("transfer_start", "b1", "c1", NBYTES, 3)
+        res = cl.call("transfer_wait", 120, timeout=150)
+        assert res["ok"], res
+        assert net.counters("b")["from_host"] - b0 >= NBYTES
+    finally:
+        cl.cleanup()
