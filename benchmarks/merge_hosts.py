@@ -12,11 +12,12 @@ between the worker hosts is measured, and merge.py runs both protocols
 interleaved. Every worker-pair transfer between ``b`` and ``c`` crosses two
 links and the router. Needs root and ``ip netns``.
 
-    flock /work/bench.lock python benchmarks/merge_hosts.py --delays-us 0,50,500 --runs 5
+    flock /work/bench.lock python benchmarks/merge_hosts.py --delays-us 0,50,500 --runs 5 --rounds 2
 
 Prints merge.py's reports per delay, then one table: median throughput and
-median worker-pair bandwidth per protocol, their ratios, the measured RTT
-and the bytes that went through the worker hosts' links.
+median worker-pair bandwidth per protocol, the median of the per-run
+throughput ratios of interleaved runs, the ratio of the pair bandwidths,
+the measured RTT and the bytes that went through the worker hosts' links.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ def parse_args(argv=None):
     p.add_argument("--runs", default=5, type=int, help="timed runs per protocol and delay (default 5)")
     p.add_argument("--warmup-runs", default=1, type=int)
     p.add_argument("--chunk-size", default=1_000_000, type=int, help="rows per partition (default 1_000_000)")
+    p.add_argument("--rounds", default=1, type=int,
+                   help="sweeps over the delays, every other one in reverse order, so that "
+                   "a machine whose load drifts does not favour one delay (default 1)")
     p.add_argument("--merge-args", default="", help="more merge.py arguments, one string")
     return p.parse_args(argv)
 
@@ -78,7 +82,10 @@ def main(argv=None) -> int:
                         cl.start_worker(host, f"{proto}-{host}{k + 1}")
             n_workers = 2 * args.workers_per_host
             env = _dask_hosts.base_env({"UCX_NET_DEVICES": net["a"].ifname})
-            for d in delays:
+            order = []
+            for r in range(args.rounds):
+                order += delays if r % 2 == 0 else delays[::-1]
+            for d in order:
                 how = "no delay"
                 for h in net.hosts:
                     net.unshape(h)
@@ -86,7 +93,7 @@ def main(argv=None) -> int:
                         how = net.shape(h, delay_us=d)
                 rtt = net.rtt("b", "c")
                 before = {h: net.counters(h) for h in ("b", "c")}
-                out = os.path.join(tmp, f"merge-{d:g}.json")
+                out = os.path.join(tmp, f"merge-{len(rows)}.json")
                 cmd = [sys.executable, os.path.join(HERE, "merge.py"),
                        "--scheduler", ",".join(cl.address for cl in clusters),
                        "--n-workers", str(n_workers), "--runs", str(args.runs),
@@ -127,26 +134,42 @@ def _median(xs):
 
 
 def print_table(protocols, rows) -> None:
+    """One line per delay, over every round: median throughput and median
+    pair bandwidth per protocol; the throughput ratio is the median of the
+    ratios of interleaved runs (run i of one protocol against run i of the
+    other)."""
     mib = 1 << 20
-    print("\nMerge across hosts (workers on b and c; medians of the timed runs)")
+    by_delay: dict = {}
+    for d, rtt, moved, summaries in rows:
+        agg = by_delay.setdefault(d, {"rtt": [], "moved": 0, "tp": {}, "p50": {}, "ratio": []})
+        agg["rtt"].append(rtt["p50"])
+        agg["moved"] += moved
+        for p in protocols:
+            agg["tp"].setdefault(p, []).extend(summaries[p]["tp"])
+            agg["p50"].setdefault(p, []).extend(summaries[p]["p50"])
+        if len(protocols) == 2:
+            a, b = protocols
+            agg["ratio"] += [x / y for x, y in zip(summaries[a]["tp"], summaries[b]["tp"])]
+    print("\nMerge across hosts (workers on b and c; medians over every timed run)")
     head = ["delay/dir", "RTT b<->c"]
     for p in protocols:
         head += [f"{p} MiB/s", f"{p} pair MiB/s"]
     if len(protocols) == 2:
-        head += [f"{protocols[0]}/{protocols[1]} tput", "pair bw"]
+        head += [f"{protocols[0]}/{protocols[1]} tput (paired)", "pair bw", "runs"]
     head.append("link bytes")
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
-    for d, rtt, moved, summaries in rows:
-        cells = [f"{d:g} us", f"{rtt['p50']:.0f} us"]
-        tp = {p: _median(summaries[p]["tp"]) / mib for p in protocols}
-        bw = {p: _median(summaries[p]["p50"]) / mib for p in protocols}
+    for d, agg in by_delay.items():
+        cells = [f"{d:g} us", f"{_median(agg['rtt']):.0f} us"]
+        tp = {p: _median(agg["tp"][p]) / mib for p in protocols}
+        bw = {p: _median(agg["p50"][p]) / mib for p in protocols}
         for p in protocols:
             cells += [f"{tp[p]:.1f}", f"{bw[p]:.0f}"]
         if len(protocols) == 2:
             a, b = protocols
-            cells += [f"{tp[a] / tp[b]:.2f}x", f"{bw[a] / bw[b]:.2f}x"]
-        cells.append(f"{moved / mib:.0f} MiB")
+            cells += [f"{_median(agg['ratio']):.2f}x", f"{bw[a] / bw[b]:.2f}x",
+                      str(len(agg["ratio"]))]
+        cells.append(f"{agg['moved'] / mib:.0f} MiB")
         print("| " + " | ".join(cells) + " |")
 
 

@@ -300,10 +300,14 @@ def get_records() -> list:
 
 
 def local_facts(dask_worker=None, dask_scheduler=None) -> dict:
-    """What this process listens on and which UCX devices it uses."""
+    """What this process listens on, its event loop's kind and the UCX
+    devices it uses."""
+    import asyncio
+
     server = dask_worker or dask_scheduler
     out = {"listen": [lst.listen_address for lst in server.listeners],
            "contact": [lst.contact_address for lst in server.listeners],
+           "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
            "net_devices": None, "transports": None}
     try:
         import ucxx

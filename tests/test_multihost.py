@@ -37,6 +37,7 @@ removed at the end, whatever happened.
 
 from __future__ import annotations
 
+import os
 import signal
 import time
 
@@ -164,6 +165,9 @@ def test_addresses(cluster, net):
     assert info["scheduler"] == f"ucxx://{a.ip}:{cluster.port}"
     assert info["scheduler_facts"]["listen"] == [info["scheduler"]]
     assert info["scheduler_facts"]["net_devices"] == "eth0"
+    # CI's second pass (UCXX_TEST_EVENT_LOOP=uvloop) runs the cluster on uvloop
+    loop = "uvloop" if os.environ.get("UCXX_TEST_EVENT_LOOP") == "uvloop" else "asyncio"
+    assert {f["loop"] for f in [info["scheduler_facts"], *info["facts"].values()]} == {loop}
     listening = {h: net[h].sh("ss", "-tlnH").stdout for h in ("a", "b", "c")}
     assert f"{a.ip}:{cluster.port} " in listening["a"]
     for name, (host, style, _cfg, port) in WORKERS.items():
@@ -336,6 +340,7 @@ def _check_recovery(cluster, net, name: str, t_fault, res, rec, lost_host, survi
     assert t_died - t_fault < bound, figures
     assert t_removed - t_fault < bound, figures
     assert res["t_done"] - t_removed < RECOMPUTE_BOUND_S, figures
+    print(f"\n{name}: {res['dst']}'s fetch from {res['src']} failed with {' <- '.join(chain)}")
     return figures
 
 
