@@ -44,7 +44,10 @@ if os.environ.get("UCXX_WERROR", "0") == "1" or os.environ.get("CI") == "true":
     extra_compile_args.append("-Werror")
 if os.environ.get("UCXX_SANITIZE", "0") == "1":
     san = ["-fsanitize=address,undefined", "-fno-omit-frame-pointer"]
-    extra_compile_args += san + ["-O1", "-g", "-fno-sanitize-recover=undefined"]
+    # -UNDEBUG: the engine's assert()s (request and worker invariants, the
+    # worker lock held in the thread modes) are checked in this build.
+    extra_compile_args += san + ["-O1", "-g", "-fno-sanitize-recover=undefined",
+                                 "-UNDEBUG"]
     extra_link_args += san
 else:
     extra_compile_args += ["-O2"]

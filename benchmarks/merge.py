@@ -308,7 +308,7 @@ def print_comparison(args, summaries):
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Distributed merge (dask/pandas) benchmark, ucxx vs tcp")
-    p.add_argument("-p", "--protocol", default="ucxx", help="ucxx, tcp, or a comma list run interleaved (ucxx,tcp)")
+    p.add_argument("-p", "--protocol", default="ucxx", help="ucxx, tcp (or another registered comm backend, e.g. distributed-ucxx's ucx), or a comma list run interleaved (ucxx,tcp)")
     p.add_argument("-c", "--chunk-size", default=1_000_000, type=int, metavar="n", help="rows per chunk (default 1_000_000)")
     p.add_argument("--runs", default=3, type=int, help="number of timed runs per protocol (default 3)")
     p.add_argument("--warmup-runs", default=1, type=int, help="untimed runs per protocol first (default 1)")
@@ -351,9 +351,14 @@ def parse_args(argv=None):
                 p.error(f"scheduler address {addr!r} has no scheme")
             args.addresses[proto] = addr
         args.protocols = list(args.addresses)
+    from distributed.comm.registry import backends, get_backend
+
     for proto in args.protocols:
-        if proto not in ("ucxx", "tcp"):
-            p.error(f"unknown protocol {proto!r} (ucxx or tcp)")
+        try:
+            get_backend(proto)
+        except ValueError:
+            p.error(f"unknown protocol {proto!r} (known: {', '.join(sorted(backends))}; "
+                    "ucx is distributed-ucxx's, where it is installed)")
     return args
 
 

@@ -4,6 +4,8 @@
     python benchmarks/suite.py --quick    # ~2-3 minutes, fewer sizes/rounds
     python benchmarks/suite.py --gil-contention   # progress modes under a busy
                                           # event loop: contention.py, ~4 minutes
+    python benchmarks/suite.py --anchors  # beside RAPIDS ucxx and ucx_perftest on
+                                          # RAPIDS' own CLI: anchors.py, ~10 minutes
 
 What it does:
 
@@ -827,12 +829,21 @@ def main(argv=None) -> int:
 
         argv.remove("--gil-contention")
         return contention.main(argv, prog="python benchmarks/suite.py --gil-contention")
+    if "--anchors" in argv:
+        import anchors
+
+        argv.remove("--anchors")
+        return anchors.main(argv, prog="python benchmarks/suite.py --anchors")
     p = argparse.ArgumentParser(description="ucxx vs raw UCX comparison suite")
     p.add_argument("--gil-contention", action="store_true",
                    help="run only the progress modes (blocking, polling, thread, "
                    "thread-polling) with and without a busy event loop: "
                    "benchmarks/contention.py; the other options are then its own "
                    "(--gil-contention --help)")
+    p.add_argument("--anchors", action="store_true",
+                   help="run only the comparison with RAPIDS ucxx and ucx_perftest on "
+                   "RAPIDS' benchmark CLI, idle CPU and fairness: benchmarks/anchors.py; "
+                   "the other options are then its own (--anchors --help)")
     p.add_argument("--quick", action="store_true",
                    help=f"sizes {SIZES_QUICK}, 2 rounds, 1/4 of the iterations")
     p.add_argument("--sizes", default=None, help=f"message sizes (default {SIZES_FULL})")

@@ -195,6 +195,20 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
     return 0;
 }
 
+/* obj.__cuda_array_interface__ (a new reference), read once per buffer:
+ * exporters such as cupy build the dict on every access.  NULL without an
+ * error when obj has no such attribute. */
+static PyObject *
+cuda_interface_of(PyObject *obj)
+{
+    PyObject *cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
+
+    if (cai == NULL && PyErr_ExceptionMatches(PyExc_AttributeError)) {
+        PyErr_Clear();
+    }
+    return cai;
+}
+
 /*
  * Fill b from obj.  Host objects must export a C-contiguous buffer
  * (writable for receives); device objects need __cuda_array_interface__.
@@ -210,6 +224,8 @@ ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b)
     b->owner = NULL;
     b->view.obj = NULL;
     if (PyObject_CheckBuffer(obj)) {
+        PyObject *exc;
+
         if (PyObject_GetBuffer(obj, &b->view, flags) == 0) {
             b->ptr = b->view.buf;
             b->len = (size_t)b->view.len;
@@ -218,41 +234,38 @@ ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b)
         }
         b->view.obj = NULL;
         /* Device arrays may define a __buffer__ that refuses (cupy on
-         * Python >= 3.12): their CUDA interface is what counts then. */
-        {
-            PyObject *exc = PyErr_GetRaisedException_compat();
-            int has = PyObject_HasAttrString(obj, "__cuda_array_interface__");
+         * Python >= 3.12): their CUDA interface is what counts then, and an
+         * error raised while building it is the one reported. */
+        exc = PyErr_GetRaisedException_compat();
+        cai = cuda_interface_of(obj);
+        if (cai == NULL && !PyErr_Occurred()) {
+            /* Exporters disagree on the class (numpy: ValueError for
+             * read-only or strided arrays): one BufferError for all. */
+            if (!PyErr_GivenExceptionMatches(exc, PyExc_BufferError)) {
+                PyObject *cause;
 
-            if (!has) {
-                /* Exporters disagree on the class (numpy: ValueError for
-                 * read-only or strided arrays): one BufferError for all. */
-                if (!PyErr_GivenExceptionMatches(exc, PyExc_BufferError)) {
-                    PyErr_Format(PyExc_BufferError, "%s buffer required: %S",
-                                 writable ? "a writable C-contiguous"
-                                          : "a C-contiguous", exc);
-                    PyObject *cause = PyErr_GetRaisedException_compat();
-                    PyException_SetCause(cause, exc);
-                    PyErr_SetRaisedException_compat(cause);
-                } else {
-                    PyErr_SetRaisedException_compat(exc);
-                }
-                return -1;
+                PyErr_Format(PyExc_BufferError, "%s buffer required: %S",
+                             writable ? "a writable C-contiguous"
+                                      : "a C-contiguous", exc);
+                cause = PyErr_GetRaisedException_compat();
+                PyException_SetCause(cause, exc);
+                PyErr_SetRaisedException_compat(cause);
+            } else {
+                PyErr_SetRaisedException_compat(exc);
             }
-            Py_DECREF(exc);
-        }
-    }
-    cai = PyObject_GetAttrString(obj, "__cuda_array_interface__");
-    if (cai == NULL) {
-        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) {
             return -1;
         }
-        PyErr_Clear();
+        Py_DECREF(exc);
+    } else {
+        cai = cuda_interface_of(obj);
     }
     if (cai == NULL) {
-        PyErr_Format(PyExc_TypeError,
-                     "a bytes-like object or an object with "
-                     "__cuda_array_interface__ is required, not '%.100s'",
-                     Py_TYPE(obj)->tp_name);
+        if (!PyErr_Occurred()) {
+            PyErr_Format(PyExc_TypeError,
+                         "a bytes-like object or an object with "
+                         "__cuda_array_interface__ is required, not '%.100s'",
+                         Py_TYPE(obj)->tp_name);
+        }
         return -1;
     }
     rc = cuda_buf_get(obj, cai, writable, b);

@@ -25,6 +25,54 @@ ucxx_state_of(PyObject *obj)
     return ucxx_state_from_type(Py_TYPE(obj));
 }
 
+/* throw(typ[, val[, tb]]) of the coroutine protocol, as generators take
+ * it: sets the exception to raise and returns NULL. */
+PyObject *
+ucxx_throw(PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *typ, *val = NULL, *tb = NULL, *exc;
+
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "throw() takes 1 to 3 arguments");
+        return NULL;
+    }
+    typ = args[0];
+    if (nargs > 1 && args[1] != Py_None) {
+        val = args[1];
+    }
+    if (nargs > 2 && args[2] != Py_None) {
+        tb = args[2];
+        if (!PyTraceBack_Check(tb)) {
+            PyErr_SetString(PyExc_TypeError,
+                            "throw() third argument must be a traceback "
+                            "object");
+            return NULL;
+        }
+    }
+    if (PyExceptionInstance_Check(typ)) {
+        if (val != NULL) {
+            PyErr_SetString(PyExc_TypeError,
+                            "instance exception may not have a separate "
+                            "value");
+            return NULL;
+        }
+        PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
+    } else if (PyExceptionClass_Check(typ)) {
+        PyErr_SetObject(typ, val);
+    } else {
+        PyErr_Format(PyExc_TypeError,
+                     "exceptions must be classes or instances deriving from "
+                     "BaseException, not %s", Py_TYPE(typ)->tp_name);
+        return NULL;
+    }
+    if (tb != NULL) {
+        exc = PyErr_GetRaisedException_compat();
+        PyException_SetTraceback(exc, tb);
+        PyErr_SetRaisedException_compat(exc);
+    }
+    return NULL;
+}
+
 PyDoc_STRVAR(get_ucx_version_doc,
 "get_ucx_version($module, /)\n--\n\n"
 "Version (major, minor, release) of the UCX library loaded at run time.");
@@ -86,8 +134,7 @@ module_exec(PyObject *m)
         add_type(m, &ucxx_endpoint_spec, &st->EndpointType) < 0 ||
         add_type(m, &ucxx_listener_spec, &st->ListenerType) < 0 ||
         add_type(m, &ucxx_request_spec, &st->RequestType) < 0 ||
-        add_type(m, &ucxx_progress_spec, &st->ProgressType) < 0 ||
-        add_type(m, &ucxx_loophook_spec, &st->LoopHookType) < 0) {
+        add_type(m, &ucxx_progress_spec, &st->ProgressType) < 0) {
         return -1;
     }
     if (intern(&st->s_create_future, "create_future") < 0 ||
@@ -95,26 +142,10 @@ module_exec(PyObject *m)
         intern(&st->s_set_result, "set_result") < 0 ||
         intern(&st->s_set_exception, "set_exception") < 0 ||
         intern(&st->s_call_soon, "call_soon") < 0 ||
-        intern(&st->s_add_reader, "add_reader") < 0 ||
-        intern(&st->s_remove_reader, "remove_reader") < 0 ||
+        intern(&st->s_call_later, "call_later") < 0 ||
         intern(&st->s_is_closed, "is_closed") < 0 ||
         intern(&st->s_done, "done") < 0 ||
-        intern(&st->s_cancel, "cancel") < 0 ||
-        intern(&st->s_blocking, "_asyncio_future_blocking") < 0 ||
-        intern(&st->s_process_events, "_process_events") < 0 ||
-        intern(&st->s_closed, "_closed") < 0 ||
-        intern(&st->s_debug, "_debug") < 0 ||
-        intern(&st->s_context, "context") < 0 ||
-        intern(&st->s_run_once, "_run_once") < 0 ||
-        intern(&st->s_get_debug, "get_debug") < 0 ||
-        intern(&st->s_time, "time") < 0 ||
-        intern(&st->s_run, "_run") < 0 ||
-        intern(&st->s_scheduled, "_scheduled") < 0 ||
-        intern(&st->s_stopping, "_stopping") < 0 ||
-        intern(&st->s_selector, "_selector") < 0 ||
-        intern(&st->s_fd_to_key, "_fd_to_key") < 0 ||
-        intern(&st->s_poll, "poll") < 0 ||
-        intern(&st->s_select, "select") < 0) {
+        intern(&st->s_blocking, "_asyncio_future_blocking") < 0) {
         return -1;
     }
 
@@ -126,30 +157,16 @@ module_exec(PyObject *m)
     st->CancelledError = PyObject_GetAttrString(asyncio, "CancelledError");
     st->InvalidStateError = PyObject_GetAttrString(asyncio,
                                                    "InvalidStateError");
-    st->Handle = PyObject_GetAttrString(asyncio, "Handle");
     st->BaseEventLoop = PyObject_GetAttrString(asyncio, "BaseEventLoop");
     st->Future = PyObject_GetAttrString(asyncio, "Future");
     st->kw_loop = Py_BuildValue("(s)", "loop");
+    st->zero = PyLong_FromLong(0);
     if (st->get_running_loop == NULL || st->CancelledError == NULL ||
-        st->InvalidStateError == NULL || st->Handle == NULL ||
+        st->InvalidStateError == NULL ||
         st->BaseEventLoop == NULL || st->Future == NULL ||
-        st->kw_loop == NULL) {
+        st->kw_loop == NULL || st->zero == NULL) {
         goto error;
     }
-    {
-        PyObject *sel = PyImport_ImportModule("asyncio.selector_events");
-
-        if (sel == NULL) {
-            goto error;
-        }
-        st->BaseSelectorEventLoop = PyObject_GetAttrString(
-            sel, "BaseSelectorEventLoop");
-        Py_DECREF(sel);
-        if (st->BaseSelectorEventLoop == NULL) {
-            goto error;
-        }
-    }
-    st->ResourceWarning_ = PyExc_ResourceWarning;
 
     /* asyncio accepts the C progress coroutine as a coroutine. */
     abc = PyImport_ImportModule("collections.abc");
@@ -211,18 +228,15 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->ListenerType);
     Py_VISIT(st->RequestType);
     Py_VISIT(st->ProgressType);
-    Py_VISIT(st->LoopHookType);
     for (int i = 0; i < UCXX_EXC_COUNT; i++) {
         Py_VISIT(st->exc[i]);
     }
     Py_VISIT(st->get_running_loop);
     Py_VISIT(st->CancelledError);
     Py_VISIT(st->InvalidStateError);
-    Py_VISIT(st->Handle);
     Py_VISIT(st->BaseEventLoop);
     Py_VISIT(st->Future);
     Py_VISIT(st->kw_loop);
-    Py_VISIT(st->BaseSelectorEventLoop);
     return 0;
 }
 
@@ -238,43 +252,25 @@ module_clear(PyObject *m)
     Py_CLEAR(st->ListenerType);
     Py_CLEAR(st->RequestType);
     Py_CLEAR(st->ProgressType);
-    Py_CLEAR(st->LoopHookType);
     for (int i = 0; i < UCXX_EXC_COUNT; i++) {
         Py_CLEAR(st->exc[i]);
     }
     Py_CLEAR(st->get_running_loop);
     Py_CLEAR(st->CancelledError);
     Py_CLEAR(st->InvalidStateError);
-    Py_CLEAR(st->Handle);
     Py_CLEAR(st->BaseEventLoop);
     Py_CLEAR(st->Future);
     Py_CLEAR(st->kw_loop);
-    Py_CLEAR(st->BaseSelectorEventLoop);
     Py_CLEAR(st->s_create_future);
     Py_CLEAR(st->s_create_task);
     Py_CLEAR(st->s_set_result);
     Py_CLEAR(st->s_set_exception);
     Py_CLEAR(st->s_call_soon);
-    Py_CLEAR(st->s_add_reader);
-    Py_CLEAR(st->s_remove_reader);
+    Py_CLEAR(st->s_call_later);
+    Py_CLEAR(st->zero);
     Py_CLEAR(st->s_is_closed);
     Py_CLEAR(st->s_done);
-    Py_CLEAR(st->s_cancel);
     Py_CLEAR(st->s_blocking);
-    Py_CLEAR(st->s_process_events);
-    Py_CLEAR(st->s_closed);
-    Py_CLEAR(st->s_debug);
-    Py_CLEAR(st->s_run_once);
-    Py_CLEAR(st->s_get_debug);
-    Py_CLEAR(st->s_time);
-    Py_CLEAR(st->s_run);
-    Py_CLEAR(st->s_scheduled);
-    Py_CLEAR(st->s_stopping);
-    Py_CLEAR(st->s_selector);
-    Py_CLEAR(st->s_fd_to_key);
-    Py_CLEAR(st->s_poll);
-    Py_CLEAR(st->s_select);
-    Py_CLEAR(st->s_context);
     return 0;
 }
 

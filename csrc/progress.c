@@ -58,8 +58,9 @@ Progress_am_send(ProgressObject *p, PyObject *arg, PyObject **presult)
         return PYGEN_RETURN;
     }
     Py_CLEAR(w->waiter);
+    w->slice_start = 0.0;       /* the loop gave this task a turn */
     if (w->mode == UCXX_MODE_POLLING) {
-        ucxx_worker_drain(w, 1024);
+        ucxx_worker_drain(w, UCXX_DRAIN_BUDGET);
         *presult = Py_NewRef(Py_None);
         return PYGEN_NEXT;
     }
@@ -137,23 +138,8 @@ PyDoc_STRVAR(Progress_throw_doc,
 static PyObject *
 Progress_throw(ProgressObject *p, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *typ;
-
-    if (nargs < 1 || nargs > 3) {
-        PyErr_SetString(PyExc_TypeError, "throw() takes 1 to 3 arguments");
-        return NULL;
-    }
     progress_finish(p);
-    typ = args[0];
-    if (PyExceptionInstance_Check(typ)) {
-        PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
-    } else if (PyExceptionClass_Check(typ)) {
-        PyErr_SetObject(typ, nargs > 1 && args[1] != Py_None ? args[1] : NULL);
-    } else {
-        PyErr_SetString(PyExc_TypeError,
-                        "exceptions must derive from BaseException");
-    }
-    return NULL;
+    return ucxx_throw(args, nargs);
 }
 
 PyDoc_STRVAR(Progress_close_doc,

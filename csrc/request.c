@@ -6,7 +6,6 @@
  * handles in the completion callbacks below.
  */
 #include "ucxx.h"
-#include <time.h>
 
 RequestObject *
 ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
@@ -49,6 +48,8 @@ ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
     r->nbufs = 0;
     r->result = NULL;
     r->future = NULL;
+    r->wait_start = 0.0;
+    r->slice_yielded = 0;
     r->next_done = NULL;
     ucxx_list_init(&r->wlink);
     ucxx_list_init(&r->elink);
@@ -248,7 +249,15 @@ request_settle(RequestObject *r, ucs_status_t status)
     }
     if (fut != NULL) {
         ucxx_state *st = ucxx_state_of((PyObject *)r);
-        PyObject *val = ucxx_request_result(r);
+        PyObject *val;
+
+        /* It slept: a task is woken, and the spin policy learns how long
+         * the wait was. */
+        r->worker->wakeups++;
+        if (r->wait_start != 0.0 && r->worker->spin_auto) {
+            ucxx_spin_feedback(r);
+        }
+        val = ucxx_request_result(r);
 
         if (val != NULL) {
             res = PyObject_CallMethodOneArg(fut, st->s_set_result, val);
@@ -486,50 +495,13 @@ ucxx_request_post_stream(EndpointObject *ep, PyObject *buf, int recv)
 
 /* ---- awaiting ---------------------------------------------------------- */
 
-static double
-now_us(void)
-{
-    struct timespec ts;
-
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
-}
-
-/* Progress the worker inline for up to spin_us; true if r completed.
- * The clock is read every 8 progress calls only, the first time after
- * them (a reading costs about as much as a shared-memory progress call,
- * and most replies that a spin catches arrive within those calls): the
- * budget therefore starts 8 calls late, which is noise next to it. */
-static int
-request_spin(RequestObject *r)
-{
-    WorkerObject *w = r->worker;
-    double deadline = 0.0, now;
-    unsigned i = 0;
-
-    if (w->spin_us <= 0 || w->handle == NULL || UCXX_THREADED(w)) {
-        return 0;
-    }
-    ucxx_worker_touched(w);
-    for (;;) {
-        ucp_worker_progress(w->handle);
-        if (w->done_head != NULL) {
-            ucxx_worker_dispatch(w);
-            if (r->status != UCS_INPROGRESS) {
-                return 1;
-            }
-        }
-        if ((++i & 7) == 0) {
-            now = now_us();
-            if (deadline == 0.0) {
-                deadline = now + w->spin_us;
-            } else if (now >= deadline) {
-                return 0;
-            }
-        }
-    }
-}
-
+/*
+ * The first await of a pending request: spin (engine.c), then suspend on a
+ * future, leaving the worker armed so that the loop's poll sees the next
+ * event (the progress invariant).  A request that is done returns at once,
+ * unless the time slice is spent: then the task gives the loop one turn
+ * first (a bare yield, as asyncio.sleep(0)).
+ */
 static PySendResult
 Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
 {
@@ -537,50 +509,74 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
     WorkerObject *w = r->worker;
     PyObject *loop;
 
-    if (r->status != UCS_INPROGRESS) {
-        goto done;
-    }
-    st = ucxx_state_of((PyObject *)r);
-    if (r->future == NULL) {
-        if (request_spin(r)) {
+    if (r->future != NULL) {
+        if (r->status != UCS_INPROGRESS) {
+            w->slice_start = 0.0;       /* resumed by the loop */
             goto done;
         }
-        loop = PyObject_CallNoArgs(st->get_running_loop);
-        if (loop == NULL) {
-            *presult = NULL;
-            return PYGEN_ERROR;
+        goto suspend;
+    }
+    if (r->status != UCS_INPROGRESS) {
+        if (!r->slice_yielded && ucxx_slice_spent(w)) {
+            goto yield;
         }
-        if (loop != w->loop && ucxx_worker_attach(w, loop) < 0) {
-            Py_DECREF(loop);
-            *presult = NULL;
-            return PYGEN_ERROR;
-        }
-        /* About to give the loop control: leave the worker armed so the
-         * loop's poll sees the next event (the progress invariant). */
-        if (w->mode == UCXX_MODE_BLOCKING && !w->armed && w->handle != NULL) {
-            if (ucxx_worker_arm(w, 0) < 0) {
-                Py_DECREF(loop);
-                *presult = NULL;
-                return PYGEN_ERROR;
-            }
-            if (r->status != UCS_INPROGRESS) {
-                Py_DECREF(loop);
-                goto done;
-            }
-        }
-        Py_DECREF(loop);
-        r->future = ucxx_worker_new_future(w, st);
-        if (r->future == NULL) {
-            *presult = NULL;
-            return PYGEN_ERROR;
+        goto done;
+    }
+    if (w->spin_us > 0) {
+        switch (ucxx_spin(r)) {
+        case UCXX_SPIN_DONE:
+            goto done;
+        case UCXX_SPIN_YIELD:
+            goto yield;
         }
     }
+    st = ucxx_state_of((PyObject *)r);
+    loop = PyObject_CallNoArgs(st->get_running_loop);
+    if (loop == NULL) {
+        *presult = NULL;
+        return PYGEN_ERROR;
+    }
+    if (loop != w->loop && ucxx_worker_attach(w, loop) < 0) {
+        Py_DECREF(loop);
+        *presult = NULL;
+        return PYGEN_ERROR;
+    }
+    Py_DECREF(loop);
+    if (w->mode == UCXX_MODE_BLOCKING && !w->armed && w->handle != NULL) {
+        if (ucxx_worker_service(w, 0) < 0) {
+            *presult = NULL;
+            return PYGEN_ERROR;
+        }
+        if (r->status != UCS_INPROGRESS) {
+            goto done;
+        }
+    }
+    if (w->spin_auto) {
+        r->sleep_calls = ucxx_state_of((PyObject *)r)->ucx_calls;
+        if (r->wait_start == 0.0) {
+            r->wait_start = ucxx_now_us();
+        }
+    }
+    r->future = ucxx_worker_new_future(w, ucxx_state_of((PyObject *)r));
+    if (r->future == NULL) {
+        *presult = NULL;
+        return PYGEN_ERROR;
+    }
+    w->slice_start = 0.0;
+
+suspend:
+    st = ucxx_state_of((PyObject *)r);
     if (PyObject_SetAttr(r->future, st->s_blocking, Py_True) < 0) {
         *presult = NULL;
         return PYGEN_ERROR;
     }
     *presult = Py_NewRef(r->future);
     return PYGEN_NEXT;
+
+yield:
+    r->slice_yielded = 1;
+    *presult = ucxx_slice_yield(w);
+    return *presult != NULL ? PYGEN_NEXT : PYGEN_ERROR;
 
 done:
     *presult = ucxx_request_result(r);
@@ -622,19 +618,6 @@ PyDoc_STRVAR(Request_throw_doc,
 static PyObject *
 Request_throw(RequestObject *r, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *typ, *val = NULL, *tb = NULL;
-
-    if (nargs < 1 || nargs > 3) {
-        PyErr_SetString(PyExc_TypeError, "throw() takes 1 to 3 arguments");
-        return NULL;
-    }
-    typ = args[0];
-    if (nargs > 1) {
-        val = args[1];
-    }
-    if (nargs > 2) {
-        tb = args[2];
-    }
     if (r->status == UCS_INPROGRESS && r->kind != UCXX_REQ_SEND &&
         r->kind != UCXX_REQ_GATHER_SEND && r->kind != UCXX_REQ_AM_SEND &&
         r->kind != UCXX_REQ_CLOSE) {
@@ -643,22 +626,7 @@ Request_throw(RequestObject *r, PyObject *const *args, Py_ssize_t nargs)
         ucxx_worker_dispatch(r->worker);
         ucxx_unlock(r->worker);
     }
-    if (PyExceptionInstance_Check(typ)) {
-        PyErr_SetObject((PyObject *)Py_TYPE(typ), typ);
-    } else if (PyExceptionClass_Check(typ)) {
-        PyErr_SetObject(typ, val == Py_None ? NULL : val);
-    } else {
-        PyErr_SetString(PyExc_TypeError,
-                        "exceptions must be classes or instances deriving "
-                        "from BaseException");
-        return NULL;
-    }
-    if (tb != NULL && tb != Py_None) {
-        PyObject *exc = PyErr_GetRaisedException_compat();
-        PyException_SetTraceback(exc, tb);
-        PyErr_SetRaisedException_compat(exc);
-    }
-    return NULL;
+    return ucxx_throw(args, nargs);
 }
 
 PyDoc_STRVAR(Request_close_doc,

@@ -13,8 +13,6 @@
 #include <sys/eventfd.h>
 #include <unistd.h>
 
-#define UCXX_THREAD_BUDGET 1024
-
 static void
 fd_signal(int fd)
 {
@@ -70,13 +68,13 @@ thread_main(void *arg)
             ucxx_unlock(w);
             break;
         }
-        for (n = 0; n < UCXX_THREAD_BUDGET; n++) {
+        for (n = 0; n < UCXX_DRAIN_BUDGET; n++) {
             if (ucp_worker_progress(w->handle) == 0) {
                 break;
             }
         }
         notify_loop(w);
-        if (w->mode == UCXX_MODE_THREAD_POLLING || n == UCXX_THREAD_BUDGET) {
+        if (w->mode == UCXX_MODE_THREAD_POLLING || n == UCXX_DRAIN_BUDGET) {
             ucxx_unlock(w);
             sched_yield(); /* let the loop thread take the lock */
             continue;

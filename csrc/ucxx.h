@@ -18,6 +18,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <assert.h>
 #include <pthread.h>
 /* UCX's UCS_MASK macro trips -Wsign-compare in its own header. */
 #pragma GCC diagnostic push
@@ -84,48 +85,32 @@ typedef struct {
     PyTypeObject *ListenerType;
     PyTypeObject *RequestType;
     PyTypeObject *ProgressType;
-    PyTypeObject *LoopHookType;
     PyObject *exc[UCXX_EXC_COUNT];     /* strong: exception classes */
     PyObject *get_running_loop;        /* strong: asyncio.get_running_loop */
     PyObject *CancelledError;          /* strong: asyncio.CancelledError */
     PyObject *InvalidStateError;       /* strong: asyncio.InvalidStateError */
-    PyObject *ResourceWarning_;        /* borrowed: builtin */
-    PyObject *Handle;                  /* strong: asyncio.Handle */
     PyObject *BaseEventLoop;           /* strong: asyncio.BaseEventLoop */
     PyObject *Future;                  /* strong: asyncio.Future */
     PyObject *kw_loop;                 /* strong: ("loop",) */
-    PyObject *BaseSelectorEventLoop;   /* strong: asyncio.selector_events.
-                                          BaseSelectorEventLoop */
     /* interned method / attribute names */
     PyObject *s_create_future;
     PyObject *s_create_task;
     PyObject *s_set_result;
     PyObject *s_set_exception;
     PyObject *s_call_soon;
-    PyObject *s_add_reader;
-    PyObject *s_remove_reader;
+    PyObject *s_call_later;
+    PyObject *zero;                    /* strong: 0 */
     PyObject *s_is_closed;
     PyObject *s_done;
-    PyObject *s_cancel;
     PyObject *s_blocking;              /* "_asyncio_future_blocking" */
-    PyObject *s_process_events;        /* "_process_events" */
-    PyObject *s_closed;                /* "_closed" */
-    PyObject *s_debug;                 /* "_debug" */
-    PyObject *s_context;               /* "context" */
-    PyObject *s_run_once;              /* "_run_once" */
-    PyObject *s_get_debug;             /* "get_debug" */
-    PyObject *s_time;                  /* "time" */
-    PyObject *s_run;                   /* "_run" */
-    PyObject *s_scheduled;             /* "_scheduled" */
-    PyObject *s_stopping;              /* "_stopping" */
-    PyObject *s_selector;              /* "_selector" */
-    PyObject *s_fd_to_key;             /* "_fd_to_key" */
-    PyObject *s_poll;                  /* "poll" */
-    PyObject *s_select;                /* "select" */
     /* Dead Requests kept for reuse (linked through next_done): a transfer
      * that completes inside its call costs no allocation. */
     struct RequestObject *req_free;
     int nreq_free;
+    /* UCX calls made by entry points of any worker (ucxx_worker_touched):
+     * the spin policy's sign that this thread was busy with its own
+     * traffic while a request slept. */
+    unsigned long ucx_calls;
 } ucxx_state;
 
 /* Requests kept on the free list; none in sanitizer builds, where a
@@ -200,12 +185,27 @@ struct WorkerObject {
     ContextObject *context;      /* strong */
     int efd;                     /* owned by UCX; -1 without WAKEUP */
     int mode;                    /* UCXX_MODE_* */
-    double spin_us;              /* await spin budget */
     int armed;                   /* ucp_worker_arm succeeded, no UCX call since */
     int rearm_scheduled;         /* a rearm callback is in loop's ready queue */
     int dispatching;             /* re-entrancy guard for dispatch */
     int peer_errors_ok;          /* an endpoint with error handling worked */
     int no_peer_errors;          /* transports cannot detect peer failure */
+    /* Spin policy and time slice (engine.c) */
+    int spin_auto;               /* spin_us adapts to the traffic */
+    double spin_us;              /* await spin budget (fixed, or adaptive) */
+    double slice_start;          /* ucxx_now_us() when the current run of
+                                    inline awaits began; 0: the loop has
+                                    had a turn since */
+    unsigned inline_count;       /* immediate completions since the last
+                                    clock reading (ucxx_slice_spent) */
+    unsigned long wakeups;       /* futures resolved and callbacks queued
+                                    by dispatch: a spin ends when it grows */
+    int spin_progressed;         /* thread mode: the loop thread's spin
+                                    called ucp_worker_progress */
+    double spin_hit_rate;        /* auto: moving average of spins that
+                                    caught their completion */
+    unsigned spin_backoff;       /* auto: sleeps left before it may grow */
+    unsigned long spin_hits, spin_grows, spin_shrinks, slice_yields;
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *loop;              /* strong: attached event loop or NULL */
@@ -214,14 +214,9 @@ struct WorkerObject {
     PyObject *waiter;            /* strong: future the coroutine waits on */
     PyObject *rearm_cb;          /* strong: bound method _rearm (cycle via self,
                                     broken in clear) */
-    PyObject *rearm_handle;      /* strong: a reusable asyncio.Handle of
-                                    rearm_cb (stdlib loops), or NULL */
-    PyObject *ready_append;      /* strong: loop._ready.append, or NULL */
     int direct_future;           /* the loop's create_future is
                                     BaseEventLoop's: futures are made as
                                     asyncio.Future(loop=loop) directly */
-    PyObject *loop_hook;         /* strong: the loop's LoopHook serving our
-                                    fd (stdlib selector loops), or NULL */
     ucxx_link pending;           /* RequestObject.wlink: requests UCX holds */
     ucxx_link endpoints;         /* EndpointObject.wlink: borrowed, open eps */
     ucxx_link listeners;         /* ListenerObject.wlink: borrowed */
@@ -235,6 +230,10 @@ struct WorkerObject {
      * The lock is recursive: entry points nest. The thread never takes the
      * GIL, so holding the GIL while waiting for `lock` cannot deadlock. */
     pthread_mutex_t lock;
+#ifndef NDEBUG
+    pthread_t lock_owner;        /* under lock: who holds it (asserts) */
+    int lock_depth;              /* under lock: recursion depth */
+#endif
     pthread_t thread;
     int thread_running;
     int thread_stop;             /* under lock */
@@ -291,6 +290,10 @@ struct RequestObject {
     Py_ssize_t nbufs;            /* buffers to release on completion */
     PyObject *result;            /* strong: am_recv result object */
     PyObject *future;            /* strong: asyncio future, on first await */
+    double wait_start;           /* ucxx_now_us() when its await began to
+                                    wait (spin, then sleep); 0: not yet */
+    unsigned long sleep_calls;   /* ucxx_state.ucx_calls then */
+    int slice_yielded;           /* gave the loop its turn (time slice) */
     RequestObject *next_done;    /* worker done list */
     ucxx_link wlink;             /* worker->pending while UCX holds it */
     ucxx_link elink;             /* endpoint->am_waiters (AM_RECV) */
@@ -347,6 +350,7 @@ typedef struct {
 extern volatile unsigned long ucxx_fork_generation;
 ucxx_state *ucxx_state_of(PyObject *obj);
 ucxx_state *ucxx_state_from_type(PyTypeObject *tp);
+PyObject *ucxx_throw(PyObject *const *args, Py_ssize_t nargs);
 extern PyModuleDef ucxx_module_def;
 
 /* A handle inherited through fork(): drop it, never call UCX on it. */
@@ -376,31 +380,72 @@ PyObject *ucxx_config_to_dict(const ucp_config_t *config);
 extern PyType_Spec ucxx_worker_spec;
 int ucxx_worker_check(WorkerObject *w);
 int ucxx_check_family(WorkerObject *w, int family, const char *host);
+
+/* address.c */
+int ucxx_address_check(ucxx_state *st, const uint8_t *a, Py_ssize_t len);
+
+/* engine.c: the progress engine */
+/* Progress calls one drain (or one progress-thread round) makes before it
+ * lets the loop (or the loop thread) have a turn. */
+#define UCXX_DRAIN_BUDGET 1024
+/* Spin policy (docs/ENGINE.md, "Spin"): the auto budget lies in
+ * {0} U [UCXX_SPIN_GROW_US, UCXX_SPIN_CAP_US]; polling mode's default is a
+ * fixed UCXX_POLL_SPIN_US.  While awaits complete inline the loop gets a
+ * turn every UCXX_SLICE_US, checked every UCXX_SLICE_CHECK immediate
+ * completions. */
+#define UCXX_SPIN_GROW_US 10.0
+#define UCXX_SPIN_CAP_US 200.0
+#define UCXX_SPIN_BACKOFF 32
+#define UCXX_POLL_SPIN_US 100.0
+#define UCXX_SLICE_US 200.0
+#define UCXX_SLICE_CHECK 32
+enum { UCXX_SPIN_DONE, UCXX_SPIN_SLEEP, UCXX_SPIN_YIELD };
 void ucxx_worker_touched(WorkerObject *w);
 int ucxx_worker_dispatch(WorkerObject *w);
 unsigned ucxx_worker_drain(WorkerObject *w, unsigned budget);
 int ucxx_worker_arm(WorkerObject *w, int drained);
+int ucxx_worker_service(WorkerObject *w, int drained);
+void ucxx_worker_queue_done(WorkerObject *w, RequestObject *r);
+PyObject *ucxx_worker_on_efd(WorkerObject *w, PyObject *unused);
+PyObject *ucxx_worker_on_notify(WorkerObject *w, PyObject *unused);
+PyObject *ucxx_worker_rearm(WorkerObject *w, PyObject *unused);
+double ucxx_now_us(void);
+int ucxx_spin(RequestObject *r);
+int ucxx_slice_spent(WorkerObject *w);
+PyObject *ucxx_slice_yield(WorkerObject *w);
+void ucxx_spin_feedback(RequestObject *r);
+
+/* loop.c: attachment to an event loop */
 int ucxx_worker_attach(WorkerObject *w, PyObject *loop);
 void ucxx_worker_detach(WorkerObject *w);
-void ucxx_worker_queue_done(WorkerObject *w, RequestObject *r);
+void ucxx_worker_stop_thread(WorkerObject *w);
+int ucxx_loop_is_running(PyObject *loop);
 PyObject *ucxx_worker_new_future(WorkerObject *w, ucxx_state *st);
-int ucxx_worker_loop_fd(WorkerObject *w);
-PyObject *ucxx_worker_on_loop_fd(WorkerObject *w);
-
-/* loophook.c */
-extern PyType_Spec ucxx_loophook_spec;
-PyObject *ucxx_loophook_add(PyObject *loop, WorkerObject *w);
-void ucxx_loophook_remove(PyObject *hook, PyObject *loop, WorkerObject *w);
 int ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg);
 
 /* The worker lock serialises the loop thread and the progress thread, so
  * only thread modes take it; in the other modes the GIL is the lock (no
- * entry point releases it around a UCX call there). */
+ * entry point releases it around a UCX call there).  Debug builds (the
+ * sanitizer job) record the holder for UCXX_ASSERT_LOCKED. */
+#ifndef NDEBUG
+#define UCXX_LOCK_ACQUIRED(w) ((w)->lock_owner = pthread_self(), \
+                               (w)->lock_depth++)
+#define UCXX_LOCK_RELEASING(w) ((w)->lock_depth--)
+#define UCXX_ASSERT_LOCKED(w) \
+    assert(!UCXX_THREADED(w) || ((w)->lock_depth > 0 && \
+           pthread_equal((w)->lock_owner, pthread_self())))
+#else
+#define UCXX_LOCK_ACQUIRED(w) ((void)0)
+#define UCXX_LOCK_RELEASING(w) ((void)0)
+#define UCXX_ASSERT_LOCKED(w) ((void)0)
+#endif
+
 static inline void
 ucxx_lock(WorkerObject *w)
 {
     if (UCXX_THREADED(w)) {
         pthread_mutex_lock(&w->lock);
+        UCXX_LOCK_ACQUIRED(w);
     }
 }
 
@@ -408,6 +453,7 @@ static inline void
 ucxx_unlock(WorkerObject *w)
 {
     if (UCXX_THREADED(w)) {
+        UCXX_LOCK_RELEASING(w);
         pthread_mutex_unlock(&w->lock);
     }
 }

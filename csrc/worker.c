@@ -1,529 +1,14 @@
 /*
- * worker.c - Worker wraps ucp_worker_h (thread mode SINGLE) and drives it
- * from one event loop at a time.  Owns the worker handle, the event-fd
- * reader on the attached loop and the progress Task; close() (or dealloc)
- * cancels what is pending, closes endpoints and listeners, destroys it.
- *
- * The progress invariant (DESIGN.md): once ucp_worker_arm() succeeded the
- * loop may sleep on the event fd; any UCX call made after that must be
- * followed by a drain + re-arm before the loop polls again.  Every entry
- * point calls ucxx_worker_touched() after its UCX call, which clears
- * `armed` and queues the _rearm callback (loop.call_soon: it runs before
- * the loop's next blocking poll).  An await that is about to suspend
- * re-arms inline instead.
+ * worker.c - Worker wraps ucp_worker_h (thread mode SINGLE; SERIALIZED in
+ * the thread modes, whose progress thread and loop thread take the worker
+ * lock around every UCX call).  Owns the worker handle and, while attached
+ * (loop.c), the loop reference, the fd reader and the progress Task;
+ * close() (or dealloc) cancels what is pending, closes endpoints and
+ * listeners, detaches and destroys it.  How it is progressed: engine.c.
  */
 #include "ucxx.h"
 #include <netdb.h>
 #include <unistd.h>
-
-/* Progress calls per drain before yielding to the loop. */
-#define UCXX_DRAIN_BUDGET 1024
-#define UCXX_DEFAULT_POLL_SPIN_US 100.0
-
-static void
-unraisable(PyObject *obj)
-{
-    if (PyErr_Occurred()) {
-        PyErr_WriteUnraisable(obj);
-    }
-}
-
-void
-ucxx_worker_queue_done(WorkerObject *w, RequestObject *r)
-{
-    if (r->queued) {
-        return;
-    }
-    r->queued = 1;
-    r->next_done = NULL;
-    if (w->done_tail != NULL) {
-        w->done_tail->next_done = r;
-    } else {
-        w->done_head = r;
-    }
-    w->done_tail = r;
-}
-
-/* Turn what UCX callbacks recorded into Python effects.  Never raises. */
-int
-ucxx_worker_dispatch(WorkerObject *w)
-{
-    int n = 0;
-
-    if (w->dispatching) {
-        return 0;
-    }
-    w->dispatching = 1;
-    for (;;) {
-        if (w->done_head != NULL) {
-            RequestObject *r = w->done_head;
-
-            w->done_head = r->next_done;
-            if (w->done_head == NULL) {
-                w->done_tail = NULL;
-            }
-            r->queued = 0;
-            r->next_done = NULL;
-            ucxx_request_dispatch(r);
-            n++;
-        } else if (!ucxx_list_empty(&w->errored)) {
-            EndpointObject *ep = UCXX_CONTAINER(w->errored.next,
-                                                EndpointObject, elink);
-            ucxx_list_del(&ep->elink);
-            ep->err_queued = 0;
-            ucxx_endpoint_report_error(ep);
-            n++;
-        } else if (!ucxx_list_empty(&w->conn_ready)) {
-            ListenerObject *l = UCXX_CONTAINER(w->conn_ready.next,
-                                               ListenerObject, clink);
-            ucxx_list_del(&l->clink);
-            l->conn_queued = 0;
-            ucxx_listener_deliver(l);
-            n++;
-        } else if (!ucxx_list_empty(&w->am_ready)) {
-            EndpointObject *ep = UCXX_CONTAINER(w->am_ready.next,
-                                                EndpointObject, alink);
-            ucxx_list_del(&ep->alink);
-            ucxx_am_deliver(ep);
-            n++;
-        } else {
-            break;
-        }
-    }
-    w->dispatching = 0;
-    return n;
-}
-
-/* Progress until idle or budget spent; returns 1 if work may remain.
- * Dispatching can call UCX (a failed endpoint is force-closed, a listener
- * creates endpoints): after a dispatch that did anything, progress again,
- * so that "drained" really means nothing is left before an arm. */
-unsigned
-ucxx_worker_drain(WorkerObject *w, unsigned budget)
-{
-    unsigned n = 0;
-
-    w->armed = 0;
-    for (;;) {
-        while (ucp_worker_progress(w->handle) != 0) {
-            if (++n >= budget) {
-                ucxx_worker_dispatch(w);
-                return 1;
-            }
-        }
-        if (ucxx_worker_dispatch(w) == 0) {
-            return 0;
-        }
-        if (++n >= budget) {
-            return 1;
-        }
-    }
-}
-
-/* DRAIN (unless the caller just did) + ARM.
- * 0: armed; 1: budget spent, call again; -1: error set. */
-int
-ucxx_worker_arm(WorkerObject *w, int drained)
-{
-    ucs_status_t status;
-
-    for (int i = 0; i < 64; i++) {
-        if (!drained && ucxx_worker_drain(w, UCXX_DRAIN_BUDGET)) {
-            return 1;
-        }
-        drained = 0;
-        status = ucp_worker_arm(w->handle);
-        if (status == UCS_OK) {
-            w->armed = 1;
-            return 0;
-        }
-        if (status != UCS_ERR_BUSY) {
-            ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
-                              "ucp_worker_arm");
-            return -1;
-        }
-    }
-    return 1;
-}
-
-int
-ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg)
-{
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
-    PyObject *args[3] = {w->loop, cb, arg};
-    PyObject *res;
-
-    if (w->loop == NULL) {
-        res = arg ? PyObject_CallOneArg(cb, arg) : PyObject_CallNoArgs(cb);
-    } else {
-        res = PyObject_VectorcallMethod(st->s_call_soon, args,
-                                        (arg ? 3 : 2) |
-                                        PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
-    }
-    if (res == NULL) {
-        return -1;
-    }
-    Py_DECREF(res);
-    return 0;
-}
-
-/*
- * Queue _rearm to run before the loop's next blocking poll.  On the stdlib
- * loops the same Handle is appended to loop._ready (what call_soon does,
- * minus creating a Handle each time: this runs once per message); other
- * loops (uvloop) get loop.call_soon.
- */
-static void
-schedule_rearm(WorkerObject *w)
-{
-    int rc;
-
-    if (w->rearm_scheduled || w->loop == NULL) {
-        return;
-    }
-    if (w->ready_append != NULL) {
-        PyObject *res = PyObject_CallOneArg(w->ready_append, w->rearm_handle);
-        rc = res == NULL ? -1 : 0;
-        Py_XDECREF(res);
-    } else {
-        rc = ucxx_call_soon(w, w->rearm_cb, NULL);
-    }
-    if (rc < 0) {
-        /* The loop is closed: nobody will poll the fd any more. */
-        PyErr_Clear();
-        return;
-    }
-    w->rearm_scheduled = 1;
-}
-
-/* Called (lock held) after every UCX call made by an entry point. */
-void
-ucxx_worker_touched(WorkerObject *w)
-{
-    if (w->armed) {
-        w->armed = 0;
-        if (w->mode == UCXX_MODE_BLOCKING) {
-            schedule_rearm(w);
-        } else if (w->thread_running) {
-            ucxx_thread_wake(w);
-        }
-    }
-}
-
-/* A new future on the worker's loop: asyncio.Future(loop=loop), which is
- * what BaseEventLoop.create_future returns, without its Python-level call;
- * loop.create_future() on loops that define their own. */
-PyObject *
-ucxx_worker_new_future(WorkerObject *w, ucxx_state *st)
-{
-    if (w->direct_future) {
-        PyObject *args[1] = {w->loop};
-
-        return PyObject_Vectorcall(st->Future, args, 0, st->kw_loop);
-    }
-    return PyObject_CallMethodNoArgs(w->loop, st->s_create_future);
-}
-
-/* Drain and arm from the loop; reschedule if the drain budget ran out. */
-static void
-worker_service(WorkerObject *w, int drained)
-{
-    int rc;
-
-    if (w->handle == NULL) {
-        return;
-    }
-    rc = ucxx_worker_arm(w, drained);
-    if (rc < 0) {
-        unraisable((PyObject *)w);
-    } else if (rc == 1) {
-        schedule_rearm(w);
-    }
-}
-
-PyDoc_STRVAR(Worker_on_efd_doc,
-"_on_efd($self, /)\n--\n\nEvent-fd reader: drain, then re-arm.");
-
-static PyObject *
-Worker_on_efd(WorkerObject *w, PyObject *unused)
-{
-    unsigned n = 0;
-
-    if (w->handle == NULL) {
-        Py_RETURN_NONE;
-    }
-    w->armed = 0;
-    while (ucp_worker_progress(w->handle) != 0) {
-        if (w->done_head != NULL && w->ready_append != NULL) {
-            /* Requests completed: resolve them and let their tasks run
-             * first; the rest of the drain and the arm happen in _rearm,
-             * queued behind those tasks (they usually re-arm themselves
-             * while they suspend again).  This keeps the final empty
-             * progress call and ucp_worker_arm off the wakeup path. */
-            ucxx_worker_dispatch(w);
-            schedule_rearm(w);
-            Py_RETURN_NONE;
-        }
-        if (++n >= UCXX_DRAIN_BUDGET) {
-            ucxx_worker_dispatch(w);
-            schedule_rearm(w);
-            Py_RETURN_NONE;
-        }
-    }
-    /* Dispatching may have called UCX: drain once more before the arm. */
-    worker_service(w, ucxx_worker_dispatch(w) == 0);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(Worker_on_notify_doc,
-"_on_notify($self, /)\n--\n\nThread modes: deliver what the progress thread\n"
-"queued (one wakeup per batch).");
-
-static PyObject *
-Worker_on_notify(WorkerObject *w, PyObject *unused)
-{
-    uint64_t v;
-
-    if (w->notify_fd >= 0 && read(w->notify_fd, &v, sizeof(v)) < 0) {
-        /* EAGAIN: nothing to read, dispatch anyway */
-    }
-    ucxx_lock(w);
-    w->notified = 0;
-    ucxx_worker_dispatch(w);
-    ucxx_unlock(w);
-    Py_RETURN_NONE;
-}
-
-PyDoc_STRVAR(Worker_rearm_doc,
-"_rearm($self, /)\n--\n\nScheduled after a UCX call on an armed worker.");
-
-static PyObject *
-Worker_rearm(WorkerObject *w, PyObject *unused)
-{
-    w->rearm_scheduled = 0;
-    if (!w->armed) {
-        worker_service(w, 0);
-    }
-    Py_RETURN_NONE;
-}
-
-/* The fd the loop watches for this worker: the worker's event fd in
- * blocking mode, the progress thread's notify_fd in the thread modes. */
-int
-ucxx_worker_loop_fd(WorkerObject *w)
-{
-    if (w->mode == UCXX_MODE_BLOCKING) {
-        return w->efd;
-    }
-    return UCXX_THREADED(w) ? w->notify_fd : -1;
-}
-
-/* That fd's reader (see loophook.c). */
-PyObject *
-ucxx_worker_on_loop_fd(WorkerObject *w)
-{
-    if (UCXX_THREADED(w)) {
-        return Worker_on_notify(w, NULL);
-    }
-    return Worker_on_efd(w, NULL);
-}
-
-/* ---- loop attachment ---------------------------------------------------- */
-
-static int
-loop_is_closed(ucxx_state *st, PyObject *loop)
-{
-    PyObject *res = PyObject_CallMethodNoArgs(loop, st->s_is_closed);
-    int closed;
-
-    if (res == NULL) {
-        PyErr_Clear();
-        return 1;
-    }
-    closed = PyObject_IsTrue(res);
-    Py_DECREF(res);
-    return closed;
-}
-
-/* Thread modes: unregister the loop's reader of notify_fd (while that fd is
- * still open: a closed fd's number is soon reused), then join the thread. */
-static void
-stop_thread(WorkerObject *w, PyObject *open_loop)
-{
-    PyObject *res;
-
-    if (!w->thread_running) {
-        return;
-    }
-    if (open_loop != NULL) {
-        res = PyObject_CallMethod(open_loop, "remove_reader", "i",
-                                  w->notify_fd);
-        Py_XDECREF(res);
-        PyErr_Clear();
-    }
-    ucxx_thread_stop(w);
-}
-
-static int
-loop_is_running(PyObject *loop)
-{
-    PyObject *res = PyObject_CallMethod(loop, "is_running", NULL);
-    int running = res != NULL && PyObject_IsTrue(res) == 1;
-
-    Py_XDECREF(res);
-    PyErr_Clear();
-    return running;
-}
-
-/* Leave the current loop: remove the reader, let the progress task end. */
-void
-ucxx_worker_detach(WorkerObject *w)
-{
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
-    PyObject *loop = w->loop, *task = w->task, *waiter = w->waiter, *res;
-    int closed;
-
-    if (loop == NULL) {
-        return;
-    }
-    w->loop = NULL;
-    w->task = NULL;
-    w->waiter = NULL;
-    Py_CLEAR(w->coro);
-    Py_CLEAR(w->rearm_handle);
-    Py_CLEAR(w->ready_append);
-    w->direct_future = 0;
-    if (w->loop_hook != NULL) {
-        PyObject *hook = w->loop_hook;
-
-        w->loop_hook = NULL;
-        ucxx_loophook_remove(hook, loop, w);
-        Py_DECREF(hook);
-    }
-    w->armed = 0;
-    w->rearm_scheduled = 0;
-    closed = loop_is_closed(st, loop);
-    if (!closed && w->mode == UCXX_MODE_BLOCKING && w->efd >= 0) {
-        res = PyObject_CallMethod(loop, "remove_reader", "i", w->efd);
-        Py_XDECREF(res);
-        PyErr_Clear();
-    }
-    stop_thread(w, closed ? NULL : loop);
-    if (task != NULL) {
-        /* The coroutine sees it is detached and returns on its next step;
-         * a task that will never run again must not log at collection. */
-        if (PyObject_SetAttrString(task, "_log_destroy_pending",
-                                   Py_False) < 0) {
-            PyErr_Clear();
-        }
-    }
-    if (waiter != NULL && !closed) {
-        res = PyObject_CallMethodNoArgs(waiter, st->s_done);
-        if (res == Py_False) {
-            Py_DECREF(res);
-            res = PyObject_CallMethodOneArg(waiter, st->s_set_result, Py_None);
-        }
-        Py_XDECREF(res);
-        PyErr_Clear();
-    }
-    Py_XDECREF(waiter);
-    Py_XDECREF(task);
-    Py_DECREF(loop);
-}
-
-int
-ucxx_worker_attach(WorkerObject *w, PyObject *loop)
-{
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
-    PyObject *res, *coro = NULL;
-
-    if (w->loop == loop) {
-        return 0;
-    }
-    if (ucxx_worker_check(w) < 0) {
-        return -1;
-    }
-    if (w->loop != NULL) {
-        if (loop_is_running(w->loop)) {
-            PyErr_SetString(PyExc_RuntimeError,
-                            "this ucxx Worker is driven by another running "
-                            "event loop; use it from that loop's thread");
-            return -1;
-        }
-    }
-    ucxx_worker_detach(w);
-    w->loop = Py_NewRef(loop);
-    w->thread_id = PyThread_get_thread_ident();
-    if (PyObject_IsInstance(loop, st->BaseEventLoop) == 1) {
-        PyObject *ready = PyObject_GetAttrString(loop, "_ready");
-
-        if (ready != NULL) {
-            w->ready_append = PyObject_GetAttrString(ready, "append");
-            Py_DECREF(ready);
-        }
-        if (w->ready_append != NULL) {
-            w->rearm_handle = PyObject_CallFunction(st->Handle, "O()O",
-                                                    w->rearm_cb, loop);
-        }
-        if (w->rearm_handle == NULL) {
-            Py_CLEAR(w->ready_append);
-        }
-        PyErr_Clear();
-        {
-            PyObject *mine = PyObject_GetAttr((PyObject *)Py_TYPE(loop),
-                                              st->s_create_future);
-            PyObject *base = PyObject_GetAttr(st->BaseEventLoop,
-                                              st->s_create_future);
-
-            w->direct_future = mine != NULL && mine == base;
-            Py_XDECREF(mine);
-            Py_XDECREF(base);
-            PyErr_Clear();
-        }
-    }
-    if (w->mode == UCXX_MODE_BLOCKING || UCXX_THREADED(w)) {
-        int threaded = UCXX_THREADED(w);
-        PyObject *cb = PyObject_GetAttrString(
-            (PyObject *)w, threaded ? "_on_notify" : "_on_efd");
-
-        if (cb == NULL) {
-            goto error;
-        }
-        if (threaded && ucxx_thread_start(w) < 0) {
-            Py_DECREF(cb);
-            goto error;
-        }
-        res = PyObject_CallMethod(loop, "add_reader", "iO",
-                                  threaded ? w->notify_fd : w->efd, cb);
-        Py_DECREF(cb);
-        if (res == NULL) {
-            goto error;
-        }
-        Py_DECREF(res);
-        /* Stdlib selector loops: run the reader as soon as the selector
-         * reports the fd, so woken tasks run in the same iteration. */
-        w->loop_hook = ucxx_loophook_add(loop, w);
-    }
-    coro = ucxx_progress_new(w, loop);
-    if (coro == NULL) {
-        goto error;
-    }
-    w->coro = Py_NewRef(coro);
-    w->task = PyObject_CallMethodOneArg(loop, st->s_create_task, coro);
-    Py_DECREF(coro);
-    if (w->task == NULL) {
-        goto error;
-    }
-    return 0;
-
-error:
-    {
-        PyObject *exc = PyErr_GetRaisedException_compat();
-        ucxx_worker_detach(w);
-        PyErr_SetRaisedException_compat(exc);
-    }
-    return -1;
-}
 
 /* Entry-point check: open, and used from the loop's thread. */
 int
@@ -542,7 +27,7 @@ ucxx_worker_check(WorkerObject *w)
         return -1;
     }
     if (w->loop != NULL && PyThread_get_thread_ident() != w->thread_id &&
-        loop_is_running(w->loop)) {
+        ucxx_loop_is_running(w->loop)) {
         PyErr_SetString(PyExc_RuntimeError,
                         "ucxx objects must be used from the thread of the "
                         "running event loop driving their worker");
@@ -600,29 +85,40 @@ parse_mode(PyObject *mode_obj, int *mode)
     return 0;
 }
 
+/* spin_us: None (the mode's default), "auto" (adaptive, engine.c) or a
+ * fixed number of microseconds (0: never spin).  Defaults: "auto" in the
+ * blocking and thread modes; a fixed UCXX_POLL_SPIN_US in polling mode;
+ * 0 in thread-polling mode, whose progress thread polls already (a
+ * spinning loop thread would make two busy threads per process). */
 static int
 set_spin(WorkerObject *w, PyObject *v)
 {
     double d;
 
     if (v == NULL || v == Py_None) {
-        w->spin_us = w->mode == UCXX_MODE_POLLING ? UCXX_DEFAULT_POLL_SPIN_US
-                                                  : 0.0;
+        w->spin_auto = w->mode == UCXX_MODE_BLOCKING ||
+                       w->mode == UCXX_MODE_THREAD;
+        w->spin_us = w->mode == UCXX_MODE_POLLING ? UCXX_POLL_SPIN_US : 0.0;
         return 0;
     }
-    if (UCXX_THREADED(w)) {
-        w->spin_us = 0.0; /* the progress thread owns the worker */
+    if (PyUnicode_Check(v) && PyUnicode_CompareWithASCIIString(v, "auto") == 0) {
+        w->spin_auto = 1;
+        w->spin_us = 0.0;
         return 0;
     }
     d = PyFloat_AsDouble(v);
     if (d == -1.0 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError,
+                     "spin_us must be 'auto', None or a number of "
+                     "microseconds, got %R", v);
         return -1;
     }
-    if (d < 0 || d > 1e7) {
+    if (!(d >= 0 && d <= 1e7)) {
         PyErr_Format(PyExc_ValueError, "spin_us must be in [0, 1e7], got %R",
                      v);
         return -1;
     }
+    w->spin_auto = 0;
     w->spin_us = d;
     return 0;
 }
@@ -687,6 +183,7 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     ucxx_list_init(&w->conn_ready);
     ucxx_list_init(&w->am_ready);
     w->context = (ContextObject *)Py_NewRef(ctx);
+    w->spin_hit_rate = 1.0;
     if (set_spin(w, spin) < 0) {
         return worker_new_failed(w);
     }
@@ -831,10 +328,10 @@ worker_close_now(WorkerObject *w)
         forget_forked(w);
         return;
     }
-    if (w->thread_running) {
-        stop_thread(w, loop_is_closed(ucxx_state_of((PyObject *)w), w->loop)
-                           ? NULL : w->loop);
-    }
+    ucxx_worker_stop_thread(w);
+    /* No progress thread from here on; the lock is still taken, as the
+     * functions called below expect it (and assert it). */
+    ucxx_lock(w);
     /* Listeners first (no new endpoints), then endpoints (their sends fail
      * with UCX errors), then whatever is still pending. */
     while (!ucxx_list_empty(&w->listeners)) {
@@ -877,6 +374,7 @@ worker_close_now(WorkerObject *w)
     }
     nlate = drop_unexpected(w, late);
     ucxx_worker_dispatch(w);
+    ucxx_unlock(w);
     ucxx_worker_detach(w);
     ucp_worker_destroy(w->handle);
     while (nlate > 0) {
@@ -1065,64 +563,6 @@ Worker_tag_recv(WorkerObject *w, PyObject *const *args, Py_ssize_t nargs)
     return ucxx_request_post_recv(w, NULL, args[0], tag, mask);
 }
 
-/*
- * The part of a packed worker address that comes before its device list
- * (UCX 1.22, src/ucp/wireup/address.c):
- *
- *   v1: [ version (low 4 bits) | flags (high 4 bits) ]
- *   v2: [ version (low 4 bits) | release (high 4 bits) ] [ flags ]
- *   then uuid (8 bytes, flag 0x2), client id (8 bytes, flag 0x4), worker
- *   name (length byte + bytes, flag 0x1), then the devices or a single
- *   UCP_NULL_RESOURCE byte: at least one byte.
- *
- * UCX asserts (aborts the process) on a version other than v1 (0) and v2
- * (1), and reads the fixed fields without knowing the buffer's length:
- * both are checked here.  The device list is left to UCX.  Returns the
- * reason the address is refused, or NULL.
- */
-#define UCXX_ADDR_VERSION_MASK  0x0f
-#define UCXX_ADDR_VERSION_V1    0
-#define UCXX_ADDR_VERSION_V2    1
-#define UCXX_ADDR_FLAG_NAME     0x1
-#define UCXX_ADDR_FLAG_UUID     0x2
-#define UCXX_ADDR_FLAG_CLIENT   0x4
-
-static const char *
-worker_address_header_error(const uint8_t *a, Py_ssize_t len, Py_ssize_t *need)
-{
-    unsigned version = a[0] & UCXX_ADDR_VERSION_MASK, flags;
-    Py_ssize_t off;
-
-    *need = 0;
-    if (version == UCXX_ADDR_VERSION_V1) {
-        flags = a[0] >> 4;
-        off = 1;
-    } else if (version == UCXX_ADDR_VERSION_V2) {
-        if (len < 2) {
-            *need = 2;
-            return "too short for its header";
-        }
-        flags = a[1];
-        off = 2;
-    } else {
-        return "unsupported address version";
-    }
-    off += (flags & UCXX_ADDR_FLAG_UUID) ? 8 : 0;
-    off += (flags & UCXX_ADDR_FLAG_CLIENT) ? 8 : 0;
-    if (flags & UCXX_ADDR_FLAG_NAME) {
-        if (len <= off) {
-            *need = off + 1;
-            return "too short for its header";
-        }
-        off += 1 + a[off];
-    }
-    if (len < off + 1) {        /* + the first device (or NULL resource) */
-        *need = off + 1;
-        return "too short for its header";
-    }
-    return NULL;
-}
-
 PyDoc_STRVAR(Worker_ep_from_address_doc,
 "ep_from_address($self, address, error_handling=True)\n--\n\n"
 "Endpoint to the worker whose UCX address is given (no handshake).\n"
@@ -1136,39 +576,16 @@ Worker_ep_from_address(WorkerObject *w, PyObject *args, PyObject *kw)
     int eh = 1;
     ucp_ep_params_t params = {0};
     PyObject *ep;
-    const char *why;
-    Py_ssize_t need, len;
 
     if (!PyArg_ParseTupleAndKeywords(args, kw, "y*|p:ep_from_address", kwlist,
                                      &addr, &eh)) {
         return NULL;
     }
-    if (ucxx_worker_check(w) < 0) {
+    if (ucxx_worker_check(w) < 0 ||
+        ucxx_address_check(ucxx_state_of((PyObject *)w), addr.buf,
+                           addr.len) < 0) {
         PyBuffer_Release(&addr);
         return NULL;
-    }
-    if (addr.len < 8) {
-        PyBuffer_Release(&addr);
-        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CONFIG,
-                          "invalid UCX worker address (%zd bytes)", addr.len);
-    }
-    len = addr.len;
-    why = worker_address_header_error(addr.buf, len, &need);
-    if (why != NULL) {
-        unsigned first = ((const uint8_t *)addr.buf)[0];
-
-        PyBuffer_Release(&addr);
-        if (need == 0) {
-            return ucxx_raise(ucxx_state_of((PyObject *)w),
-                              UCXX_EXC_INVALID_PARAM,
-                              "invalid UCX worker address: %s %u (first byte "
-                              "0x%02x; UCX reads versions %d (v1) and %d (v2))",
-                              why, first & UCXX_ADDR_VERSION_MASK, first,
-                              UCXX_ADDR_VERSION_V1, UCXX_ADDR_VERSION_V2);
-        }
-        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_INVALID_PARAM,
-                          "invalid UCX worker address: %s (%zd bytes, its "
-                          "header needs at least %zd)", why, len, need);
     }
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
     params.address = addr.buf;
@@ -1393,6 +810,20 @@ Worker_set_spin(WorkerObject *w, PyObject *v, void *closure)
 }
 
 static PyObject *
+Worker_get_spin_auto(WorkerObject *w, void *closure)
+{
+    return PyBool_FromLong(w->spin_auto);
+}
+
+static PyObject *
+Worker_get_spin_stats(WorkerObject *w, void *closure)
+{
+    return Py_BuildValue("{sksksksk}", "hits", w->spin_hits,
+                         "grows", w->spin_grows, "shrinks", w->spin_shrinks,
+                         "slice_yields", w->slice_yields);
+}
+
+static PyObject *
 Worker_get_loop(WorkerObject *w, void *closure)
 {
     return Py_NewRef(w->loop ? w->loop : Py_None);
@@ -1433,9 +864,6 @@ Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
     Py_VISIT(w->coro);
     Py_VISIT(w->waiter);
     Py_VISIT(w->rearm_cb);
-    Py_VISIT(w->rearm_handle);
-    Py_VISIT(w->ready_append);
-    Py_VISIT(w->loop_hook);
     Py_VISIT(w->am_allocators);
     return 0;
 }
@@ -1448,9 +876,6 @@ Worker_clear(WorkerObject *w)
     Py_CLEAR(w->waiter);
     Py_CLEAR(w->loop);
     Py_CLEAR(w->rearm_cb);
-    Py_CLEAR(w->rearm_handle);
-    Py_CLEAR(w->ready_append);
-    Py_CLEAR(w->loop_hook);
     Py_CLEAR(w->am_allocators);
     return 0;
 }
@@ -1520,10 +945,14 @@ static PyMethodDef Worker_methods[] = {
     {"register_am_allocator",
      (PyCFunction)(void (*)(void))Worker_register_am_allocator, METH_FASTCALL,
      Worker_register_am_allocator_doc},
-    {"_on_efd", (PyCFunction)Worker_on_efd, METH_NOARGS, Worker_on_efd_doc},
-    {"_rearm", (PyCFunction)Worker_rearm, METH_NOARGS, Worker_rearm_doc},
-    {"_on_notify", (PyCFunction)Worker_on_notify, METH_NOARGS,
-     Worker_on_notify_doc},
+    {"_on_efd", (PyCFunction)ucxx_worker_on_efd, METH_NOARGS,
+     "_on_efd($self, /)\n--\n\nEvent-fd reader: drain, then re-arm."},
+    {"_rearm", (PyCFunction)ucxx_worker_rearm, METH_NOARGS,
+     "_rearm($self, /)\n--\n\nScheduled after a UCX call on an armed "
+     "worker."},
+    {"_on_notify", (PyCFunction)ucxx_worker_on_notify, METH_NOARGS,
+     "_on_notify($self, /)\n--\n\nThread modes: deliver what the progress "
+     "thread\nqueued (one wakeup per batch)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -1533,9 +962,16 @@ static PyGetSetDef Worker_getset[] = {
     {"closed", (getter)Worker_get_closed, NULL, "True once closed.", NULL},
     {"handle", (getter)Worker_get_handle, NULL, "ucp_worker_h as int.", NULL},
     {"context", (getter)Worker_get_context, NULL, "The Context.", NULL},
-    {"progress_mode", (getter)Worker_get_mode, NULL, "blocking|polling", NULL},
+    {"progress_mode", (getter)Worker_get_mode, NULL,
+     "blocking, polling, thread or thread-polling.", NULL},
     {"spin_us", (getter)Worker_get_spin, (setter)Worker_set_spin,
-     "Await spin budget in microseconds.", NULL},
+     "Await spin budget in microseconds (the adaptive budget now, when\n"
+     "spin_auto); set a number, or 'auto'.", NULL},
+    {"spin_auto", (getter)Worker_get_spin_auto, NULL,
+     "True if the spin budget adapts to the traffic.", NULL},
+    {"spin_stats", (getter)Worker_get_spin_stats, NULL,
+     "Counters of the spin policy: awaits completed by a spin, budget\n"
+     "grows and shrinks, time-slice yields.", NULL},
     {"loop", (getter)Worker_get_loop, NULL, "Attached event loop.", NULL},
     {"task", (getter)Worker_get_task, NULL, "The progress Task.", NULL},
     {"armed", (getter)Worker_get_armed, NULL, "Armed for the event fd.", NULL},
@@ -1552,7 +988,7 @@ static PyMemberDef Worker_members[] = {
 
 PyDoc_STRVAR(Worker_doc,
 "Worker(context, progress_mode='blocking', spin_us=None)\n--\n\n"
-"A UCX worker (thread mode SINGLE) driven from one asyncio loop.");
+"A UCX worker driven from one asyncio loop.");
 
 static PyType_Slot Worker_slots[] = {
     {Py_tp_doc, (void *)Worker_doc},

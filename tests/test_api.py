@@ -148,6 +148,30 @@ def test_default_ucx_options(monkeypatch):
 
 
 @pytest.mark.no_ctx
+def test_default_ucx_options_the_loaded_ucx_lacks_are_left_out(monkeypatch):
+    """A default option the loaded UCX does not have (TCP_USER_TIMEOUT is
+    new in UCX 1.22) is not passed: UCX would refuse the whole config."""
+    from ucxx import _ucxx
+    from ucxx._lib_async import application_context as ac
+
+    real = _ucxx.get_config
+
+    def older_ucx(options=None):
+        if options and "TCP_USER_TIMEOUT" in options:
+            raise ucxx.exceptions.UCXConfigError("no such option")
+        return real(options)
+
+    monkeypatch.setattr(_ucxx, "get_config", older_ucx)
+    monkeypatch.delenv("UCX_TCP_USER_TIMEOUT", raising=False)
+    ac._known_options.cache_clear()
+    try:
+        opts = ac.effective_options()
+        assert "TCP_USER_TIMEOUT" not in opts and "KEEPALIVE_INTERVAL" in opts
+    finally:
+        ac._known_options.cache_clear()
+
+
+@pytest.mark.no_ctx
 def test_init_unknown_option():
     with pytest.raises(ucxx.UCXConfigError) as ei:
         ucxx.init(options={"NO_SUCH_OPTION_XYZ": "1"})

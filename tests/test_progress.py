@@ -13,32 +13,36 @@ in its poll while a blocking-mode worker is not armed.
 """
 
 import asyncio
-import contextvars
-import logging
-import selectors
-import sys
+import os
+import struct
 import time
 import zlib
 
 import pytest
 
 import _peer
+import ucxx
 from _util import (THRESH, BlockingPollProbe, Local, Pair, pingpong, stress)
 
 # leak check (conftest): no fd, task or thread outlives a test; no global
 # context is needed, the tests make their own.
 pytestmark = [pytest.mark.leak_check, pytest.mark.no_ctx]
 
+# None is each mode's default (an adaptive spin, a fixed one in polling
+# mode); spin 0 keeps every await on the sleep path, where a lost wakeup
+# would show.
 CONFIGS = [
     ("blocking", None),
+    ("blocking", 0.0),
     ("polling", None),
     ("blocking", 50.0),
     ("polling", 20.0),
     ("thread", None),
+    ("thread", 0.0),
     ("thread-polling", None),
 ]
-CONFIG_IDS = ["blocking", "polling", "blocking-spin50", "polling-spin20", "thread",
-              "thread-polling"]
+CONFIG_IDS = ["blocking", "blocking-spin0", "polling", "blocking-spin50", "polling-spin20",
+              "thread", "thread-spin0", "thread-polling"]
 NSTREAMS = 6
 NMSGS = 400
 NPINGPONG = 200
@@ -237,355 +241,204 @@ async def test_idle_worker_is_armed_and_wakes():
         loc.close()
 
 
-def _selector_loop_or_skip(loop):
-    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
-        pytest.skip("the loop hook serves stdlib selector loops only")
+# ------------------------------------------------------------ spin and slice
+async def _echo_round(ep, buf, out):
+    """One round trip with an ``echo`` peer (tag 1 size, tag 2 payload,
+    reply on tag 3)."""
+    r = ep.tag_recv(out, 3)
+    await ep.tag_send(struct.pack("<Q", len(buf)), 1)
+    await ep.tag_send(buf, 2)
+    return await r
 
 
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("mode", ["blocking", "thread", "polling"])
-async def test_loop_hook_installed_shared_and_removed(mode):
-    """Blocking and thread modes serve their fd through one hook per loop
-    (loop._process_events), shared by the loop's workers and removed with
-    the last of them; polling mode has no fd to serve."""
+async def _echo_stop(s):
+    await s.ep.tag_send(struct.pack("<Q", _peer.STOP), 1)
+    await s.done()
+    await s.finish()
+
+
+FAIR_MODES = [("blocking", None), ("polling", None), ("thread", None),
+              ("thread-polling", None), ("blocking", 50.0)]
+
+
+@pytest.mark.timing
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode,spin", FAIR_MODES,
+                         ids=["blocking", "polling", "thread", "thread-polling",
+                              "blocking-spin50"])
+async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
+    """A 1 ms ticker in the loop of a full-speed 1 B ping-pong wakes at most
+    1 ms late at p99 (its awaits complete inline, within spins: the time
+    slice gives the loop its turns), while the ping-pong keeps going."""
     loop = asyncio.get_running_loop()
-    _selector_loop_or_skip(loop)
+    s = await _peer.connect("tcp", "echo", mode, spin, peer_mode="blocking")
+    lateness = []
+    rounds = 0
+    stop = False
+
+    async def ticker():
+        while not stop:
+            due = time.monotonic() + 0.001
+            await asyncio.sleep(0.001)
+            lateness.append(time.monotonic() - due)
+
+    try:
+        buf, out = b"x", bytearray(1)
+        for _ in range(200):  # warm up: the auto budget settles
+            await _echo_round(s.ep, buf, out)
+        yields = s.w.spin_stats["slice_yields"]
+        t = loop.create_task(ticker())
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            assert await _echo_round(s.ep, buf, out) == 1
+            rounds += 1
+        stop = True
+        await t
+        await _echo_stop(s)
+    finally:
+        s.close()
+    lateness.sort()
+    p99 = lateness[int(len(lateness) * 0.99)]
+    assert len(lateness) > 300, f"the ticker woke {len(lateness)} times in 1.5 s"
+    # uvloop's timers have a resolution of 1 ms (libuv's clock)
+    bound = 0.002 if type(loop).__module__.startswith("uvloop") else 0.001
+    assert p99 <= bound, f"p99 lateness {p99 * 1e3:.2f} ms (max {lateness[-1] * 1e3:.2f})"
+    assert rounds > 1500, f"only {rounds} round trips in 1.5 s beside the ticker"
+    if mode != "thread-polling" and (spin is None or spin > 0):
+        # the awaits completed inline: the slice, not a suspension, gave
+        # the ticker its turns
+        assert s.w.spin_stats["slice_yields"] > yields
+
+
+@pytest.mark.timing
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "thread"])
+async def test_auto_spin_grows_with_a_peer_and_shrinks_when_idle(mode):
+    """spin_us='auto' (the default): a ping-pong with another process grows
+    the budget until replies complete within the spin; a long wait shrinks
+    it again; an idle await does not spin."""
+    s = await _peer.connect("tcp", "echo", mode, None, peer_mode="blocking")
+    try:
+        assert s.w.spin_auto and s.w.spin_us == 0.0
+        buf, out = b"x", bytearray(1)
+        for _ in range(300):
+            await _echo_round(s.ep, buf, out)
+        st = s.w.spin_stats
+        # (a loaded machine delays many replies past the cap)
+        assert st["grows"] > 0 and st["hits"] > 0, st
+        assert 0 < s.w.spin_us <= 200
+        # a wait much longer than the cap: the budget halves
+        budget = s.w.spin_us
+        r = s.ep.tag_recv(out, 3)
+        sends = []
+        asyncio.get_running_loop().call_later(
+            0.01, lambda: sends.append(asyncio.ensure_future(_send_echo(s.ep, buf))))
+        await r
+        await sends[0]
+        assert s.w.spin_us < budget and s.w.spin_stats["shrinks"] > st["shrinks"]
+        await _echo_stop(s)
+    finally:
+        s.close()
+
+
+async def _send_echo(ep, buf):
+    await ep.tag_send(struct.pack("<Q", len(buf)), 1)
+    await ep.tag_send(buf, 2)
+
+
+@pytest.mark.timeout(60)
+async def test_auto_spin_stays_off_with_both_ends_in_one_process():
+    """Both ends on one loop: a reply needs the other task to run, which a
+    spin would only delay; the auto budget stays at (or returns to) 0."""
+    p = Pair("tcp", "blocking")
+    try:
+        loop = asyncio.get_running_loop()
+        p.a.start(loop)
+        p.b.start(loop)
+        assert p.b.spin_auto
+
+        async def server():
+            buf = bytearray(8)
+            for _ in range(500):
+                await p.ba.tag_recv(buf, 1)
+                await p.ba.tag_send(buf, 2)
+
+        srv = loop.create_task(server())
+        out = bytearray(8)
+        for i in range(500):
+            r = p.ab.tag_recv(out, 2)
+            await p.ab.tag_send(b"%8d" % i, 1)
+            await r
+        await srv
+        assert p.a.spin_us == 0.0 and p.b.spin_us == 0.0, (p.a.spin_stats, p.b.spin_stats)
+    finally:
+        p.close()
+
+
+def _cpu_of(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "thread"])
+async def test_idle_process_with_a_pending_receive_uses_no_cpu(mode):
+    """After traffic stops, with a live endpoint and a pending receive, the
+    process (and its peer) use at most 1 % of a core: the spin budget is
+    bounded per await and nothing polls."""
+    s = await _peer.connect("tcp", "echo", mode, None, peer_mode=mode)
+    try:
+        buf, out = b"x", bytearray(1)
+        for _ in range(500):
+            await _echo_round(s.ep, buf, out)
+        r = s.ep.tag_recv(bytearray(8), 99)  # never sent
+        await asyncio.sleep(0.2)
+        me0, peer0 = _cpu_of(os.getpid()), _cpu_of(s.peer.proc.pid)
+        await asyncio.sleep(3.0)
+        me, peer = _cpu_of(os.getpid()) - me0, _cpu_of(s.peer.proc.pid) - peer0
+        assert not r.done()
+        r.cancel()
+        with pytest.raises(ucxx.exceptions.UCXCanceledError):
+            await r
+        await _echo_stop(s)
+    finally:
+        s.close()
+    assert me <= 0.03 and peer <= 0.03, f"idle CPU in 3 s: {me:.3f} s here, {peer:.3f} s in the peer"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "polling", "thread", "thread-polling"])
+async def test_worker_leaves_the_loop_and_its_class_unchanged(mode):
+    """A full workload (listener, connect, transfers of every kind, close)
+    changes no attribute of the loop instance nor of its class."""
+    loop = asyncio.get_running_loop()
+
+    def loop_attrs():
+        # asyncio's own state (counters, queues) changes as it runs; what
+        # must not change is which attributes there are and which callables
+        # (methods) they hold
+        return (set(vars(loop)),
+                {k: v for k, v in vars(loop).items() if callable(v)})
+
+    before = loop_attrs()
+    cls_before = {c: dict(vars(c)) for c in type(loop).__mro__}
     p = Pair("tcp", mode)
     try:
         p.a.start(loop)
         p.b.start(loop)
-        hook = vars(loop).get("_process_events")
-        if mode == "polling":
-            assert hook is None
-            return
-        assert type(hook).__name__ == "_LoopHook"
-        assert set(hook.workers) == {p.a, p.b}
-        await asyncio.wait_for(asyncio.gather(p.ab.tag_send(b"x", 1),
-                                              p.b.tag_recv(bytearray(1), 1)), 5)
-        p.ab.abort()
-        p.ba.abort()
-        p.a.close()
-        assert hook.workers == (p.b,)
-        assert vars(loop)["_process_events"] is hook
-        p.b.close()
-        assert hook.workers == ()
-        assert "_process_events" not in vars(loop)
-        await asyncio.sleep(0)  # the loop still runs without it
+        for n in (0, 1, 1000, THRESH + 1, 1 << 20):
+            out = bytearray(n)
+            r = p.b.tag_recv(out, 7)
+            await p.ab.tag_send(bytes(n), 7)
+            assert await asyncio.wait_for(r, 10) == n
+        frames = [bytearray(10), bytearray(THRESH + 5)]
+        r = p.ba.gather_recv(frames)
+        await p.ab.gather_send([b"1" * 10, b"2" * (THRESH + 5)])
+        await asyncio.wait_for(r, 10)
+        assert loop_attrs() == before
     finally:
         p.close()
-
-
-@pytest.mark.timeout(30)
-async def test_loop_hook_call_soon_behaves_as_the_loops_own():
-    """The hook's C call_soon (installed with it on loops that keep
-    BaseEventLoop.call_soon) returns the same Handles, honours context and
-    cancel, leaves debug mode, a closed loop and bad arguments to the loop's
-    own method, and is removed with the hook; so is its C get_debug."""
-    loop = asyncio.get_running_loop()
-    _selector_loop_or_skip(loop)
-    var = contextvars.ContextVar("var", default="unset")
-    p = Pair("tcp", "blocking")
-    try:
-        p.a.start(loop)
-        ours = vars(loop).get("call_soon")
-        assert ours is not None and type(ours).__name__ == "builtin_function_or_method"
-        got = []
-        h = loop.call_soon(got.append, 1)
-        assert type(h) is asyncio.Handle
-        assert (h._callback, h._args, h._loop, h._cancelled, h._repr,
-                h._source_traceback) == (got.append, (1,), loop, False, None, None)
-        assert isinstance(h._context, contextvars.Context)
-        loop.call_soon(got.append, 2).cancel()
-        ctx = contextvars.copy_context()
-        ctx.run(var.set, "given")
-        loop.call_soon(lambda: got.append(var.get()), context=ctx)
-        token = var.set("current")
-        loop.call_soon(lambda: got.append(var.get()))
-        var.reset(token)
-        loop.call_soon(lambda *a: got.append(a), 3, 4, 5)
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert got == [1, "given", "current", (3, 4, 5)]
-        with pytest.raises(TypeError, match="unexpected keyword"):
-            loop.call_soon(got.append, 1, bogus=1)
-        with pytest.raises(TypeError):
-            loop.call_soon()
-        assert "get_debug" in vars(loop) and loop.get_debug() is False
-        loop.set_debug(True)
-        try:
-            assert loop.get_debug() is True
-            h = loop.call_soon(got.append, 6)
-            assert h._source_traceback  # the loop's own method, debug mode
-            assert loop.create_future()._source_traceback
-        finally:
-            loop.set_debug(False)
-        await asyncio.sleep(0)
-        assert got[-1] == 6
-        marker = object()
-        before = sys.getrefcount(marker)
-        for _ in range(1000):
-            loop.call_soon(len, (marker,))
-            loop.call_soon(len, (marker,), context=ctx).cancel()
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert sys.getrefcount(marker) == before
-        kept = loop.call_soon
-        p.close()
-        assert "call_soon" not in vars(loop) and "get_debug" not in vars(loop)
-        # A reference taken while it was installed still schedules.
-        kept(got.append, 8)
-        await asyncio.sleep(0)
-        assert got[-1] == 8
-    finally:
-        p.close()
-
-
-def _loop_scenario(loop):
-    """Callbacks, timers, cancellation, callback errors, contexts, stop,
-    KeyboardInterrupt, debug mode and a timer scheduled while the loop
-    selects, run on `loop`; returns what they logged."""
-    log, errors, slow = [], [], []
-    var = contextvars.ContextVar("var", default="unset")
-    loop.set_exception_handler(lambda lp, c: errors.append(
-        (sorted(c), c["message"], type(c["exception"]).__name__,
-         type(c["handle"]).__name__)))
-
-    def a():
-        log.append("a")
-        loop.call_soon(log.append, "scheduled by a")
-
-    def bad():
-        raise ValueError("in a callback")
-
-    def interrupt():
-        raise KeyboardInterrupt
-
-    def run(*callbacks):
-        """Queue the callbacks and a stop, run the loop until it stops."""
-        for cb in callbacks:
-            loop.call_soon(*cb) if isinstance(cb, tuple) else loop.call_soon(cb)
-        loop.call_soon(loop.stop)
-        loop.run_forever()
-
-    async def task():
-        for i in range(3):
-            log.append(f"task {i}")
-            await asyncio.sleep(0)
-        await asyncio.sleep(0.3)  # "later" (0.05 s) fires in between
-        log.append("task end")
-
-    # With timers (due in 0.3 s at most: a select that ignored them would
-    # sleep until something else woke the loop) ...
-    started = time.monotonic()
-    loop.call_soon(a)
-    loop.call_soon(log.append, "b")
-    loop.call_soon(log.append, "cancelled").cancel()
-    loop.call_later(0.05, log.append, "later")
-    loop.call_at(loop.time() - 1, log.append, "past")
-    loop.call_later(0.002, log.append, "timer cancelled").cancel()
-    for _ in range(150):  # more than half of them cancelled: the clean-up
-        loop.call_later(60, log.append, "never").cancel()
-    loop.run_until_complete(task())
-    late = [loop.call_later(d, log.append, f"timer {d}") for d in (0.02, 0.01)]
-    late.append(loop.call_later(0.015, log.append, "cancelled 3"))
-    late[-1].cancel()  # not the first: stays in the heap
-    loop.run_until_complete(asyncio.sleep(0.05))
-    assert time.monotonic() - started < 5.0
-    # ... and without: what was ready when an iteration began runs in it
-    # (also after a stop); what that schedules waits for the next.
-    assert not loop._scheduled
-    ctx = contextvars.copy_context()
-    ctx.run(var.set, "given")
-    token = var.set("current")
-    loop.call_soon(lambda: log.append(var.get()))
-    var.reset(token)
-    loop.call_soon(lambda: log.append(var.get()), context=ctx)
-    loop.call_soon(log.append, "cancelled 2").cancel()
-    run(a, bad, (log.append, "after bad"), (log.append, "after stop"))
-    log.append("stopped")
-    run((lambda *args: log.append(args), 1, 2, 3))
-    # KeyboardInterrupt leaves the iteration; the rest stays queued
-    loop.call_soon(interrupt)
-    loop.call_soon(log.append, "left queued")
-    try:
-        loop.run_forever()
-    except KeyboardInterrupt:
-        log.append("KeyboardInterrupt")
-    run()
-    # a due timer scheduled while the loop selects runs in that iteration
-    sel = loop._selector
-    plain_select = sel.select
-    armed = []
-
-    def select(timeout=None):
-        if armed:
-            armed.clear()
-            loop.call_at(loop.time() - 1, log.append, "timer from select")
-        return plain_select(timeout)
-
-    def x():
-        log.append("x")
-        loop.call_soon(y)
-        armed.append(1)
-
-    def y():
-        log.append("y")
-        loop.stop()
-
-    sel.select = select
-    try:
-        loop.call_soon(x)
-        loop.run_forever()
-        log.append("stopped after y")
-    finally:
-        del sel.select
-    run()
-    # debug mode: the loop's own iteration, with its slow-callback warning
-    handler = logging.Handler()
-    handler.emit = lambda rec: slow.append(rec.getMessage().startswith("Executing"))
-    logging.getLogger("asyncio").addHandler(handler)
-    loop.set_debug(True)
-    loop.slow_callback_duration = 0.0
-    try:
-        run((time.sleep, 0.001))
-    finally:
-        loop.set_debug(False)
-        logging.getLogger("asyncio").removeHandler(handler)
-    run()
-    return log, errors, any(slow)
-
-
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("selector", ["epoll", "select"])
-def test_loop_hook_run_once_behaves_as_the_loops_own(selector):
-    """On a loop whose class keeps BaseEventLoop._run_once (Python 3.11), the
-    hook's C _run_once runs the iterations outside debug mode; what
-    callbacks, timers, errors, stop and debug mode do is the same as on a
-    plain loop of the same kind. It is removed with the hook."""
-    make = {"epoll": selectors.EpollSelector, "select": selectors.SelectSelector}
-    plain = asyncio.SelectorEventLoop(make[selector]())
-    try:
-        expected = _loop_scenario(plain)
-    finally:
-        plain.close()
-    loop = asyncio.SelectorEventLoop(make[selector]())
-    p = Pair("tcp", "blocking")
-    try:
-        p.a.start(loop)
-        p.b.start(loop)
-        ours = vars(loop).get("_run_once")
-        if sys.version_info[:2] != (3, 11):
-            assert ours is None
-        else:
-            assert type(ours).__name__ == "builtin_function_or_method"
-        assert _loop_scenario(loop) == expected
-        log, errors, slow = expected
-        assert log[log.index("current"):log.index("stopped")] == [
-            "current", "given", "a", "after bad", "after stop"]
-        assert log[log.index("x"):log.index("stopped after y")] == [
-            "x", "y", "timer from select"]
-        assert "cancelled" not in log and "cancelled 2" not in log
-        assert log.index("left queued") > log.index("KeyboardInterrupt")
-        assert errors == [(["exception", "handle", "message"], errors[0][1],
-                           "ValueError", "Handle")]
-        assert errors[0][1].startswith("Exception in callback ")
-        assert slow
-        # the worker's fd is served through the hook's iteration
-        for i in range(50):
-            got = bytearray(4)
-            r = p.b.tag_recv(got, 7)
-            loop.run_until_complete(asyncio.wait_for(p.ab.tag_send(b"%4d" % i, 7), 5))
-            assert loop.run_until_complete(asyncio.wait_for(r, 5)) == 4
-        # no reference is left behind by the handles it ran
-        marker = object()
-        before = sys.getrefcount(marker)
-        for _ in range(1000):
-            loop.call_soon(len, (marker,))
-            loop.call_soon(len, (marker,)).cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        assert sys.getrefcount(marker) == before
-        p.close()
-        assert "_run_once" not in vars(loop)
-        loop.run_until_complete(asyncio.sleep(0))
-    finally:
-        p.close()
-        loop.close()
-
-
-@pytest.mark.timeout(30)
-async def test_loop_hook_off_with_ucxx_loop_hook_0(monkeypatch):
-    """UCXX_LOOP_HOOK=0 leaves the loop untouched: the worker's fd is served
-    by its add_reader callback alone, and transfers still complete."""
-    loop = asyncio.get_running_loop()
-    _selector_loop_or_skip(loop)
-    monkeypatch.setenv("UCXX_LOOP_HOOK", "0")
-    p = Pair("tcp", "blocking")
-    try:
-        p.a.start(loop)
-        p.b.start(loop)
-        for name in ("_process_events", "call_soon", "get_debug", "_run_once"):
-            assert name not in vars(loop)
-        for i in range(20):
-            got = bytearray(4)
-            r = p.b.tag_recv(got, 5)
-            await asyncio.wait_for(p.ab.tag_send(b"%4d" % i, 5), 5)
-            assert await asyncio.wait_for(r, 5) == 4 and got == b"%4d" % i
-    finally:
-        p.close()
-
-
-def test_loop_hook_call_soon_on_a_closed_loop():
-    """Once the loop is closed, call_soon raises the loop's RuntimeError."""
-    loop = asyncio.new_event_loop()
-    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
-        loop.close()
-        pytest.skip("the loop hook serves stdlib selector loops only")
-    p = Pair("tcp", "blocking")
-    try:
-        p.a.start(loop)
-        assert "call_soon" in vars(loop)
-        loop.close()
-        with pytest.raises(RuntimeError, match="closed"):
-            loop.call_soon(print)
-    finally:
-        p.close()
-        if not loop.is_closed():
-            loop.close()
-
-
-@pytest.mark.timeout(30)
-@pytest.mark.parametrize("tl", ["tcp", "shm"])
-async def test_woken_task_runs_in_the_iteration_of_its_fd_event(tl):
-    """Blocking mode: the receive completed by an fd event resumes its task
-    in the loop iteration whose select reported that fd (no second select,
-    which a plain add_reader would cost)."""
-    loop = asyncio.get_running_loop()
-    _selector_loop_or_skip(loop)
-    p = Pair(tl, "blocking")
-    sel = loop._selector
-    selects = []
-
-    def select(timeout=None, _orig=sel.select):
-        events = _orig(timeout)
-        selects.append({key.fd for key, _ in events})
-        return events
-
-    try:
-        p.a.start(loop)
-        p.b.start(loop)
-        await asyncio.wait_for(asyncio.gather(p.ab.tag_send(b"warm", 1),
-                                              p.b.tag_recv(bytearray(4), 1)), 5)
-        sel.select = select
-        for i in range(20):
-            await asyncio.sleep(0.002)  # idle: b armed, the loop blocks
-            buf = bytearray(8)
-            req = p.b.tag_recv(buf, 2)
-            sends = []
-            loop.call_later(0.002, lambda: sends.append(p.ab.tag_send(b"%8d" % i, 2)))
-            assert await req == 8  # (wait_for would add a Task, and a turn)
-            assert p.b.efd in selects[-1], (i, selects[-4:])
-            assert buf == b"%8d" % i
-            await asyncio.wait_for(sends[0], 5)
-    finally:
-        vars(sel).pop("select", None)
-        p.close()
+    await asyncio.sleep(0)
+    assert loop_attrs() == before
+    assert {c: dict(vars(c)) for c in type(loop).__mro__} == cls_before

@@ -358,9 +358,12 @@ async def test_polling_spin_budget_in_one_process():
                 r = loc.w.tag_recv(out, 2)
                 s = loc.ep.tag_send(pattern(64, i), 2)
                 counter = TurnCounter(loop)
+                yields = loc.w.spin_stats["slice_yields"]
                 try:
                     assert await r == 64
-                    turned.append(counter.turns > 0)
+                    # a turn the time slice gave the loop is not a suspension
+                    turned.append(counter.turns > 0
+                                  and loc.w.spin_stats["slice_yields"] == yields)
                 finally:
                     counter.stop()
                 await s
@@ -392,9 +395,11 @@ async def test_spin_budget_two_processes(mode):
                 await ep.tag_send(struct.pack("<Q", 64), 1)
                 await ep.tag_send(pattern(64, i), 2)
                 counter = TurnCounter(loop)
+                yields = w.spin_stats["slice_yields"]
                 try:
                     assert await asyncio.wait_for(r, 10) == 64 if spin == 0 else await r == 64
-                    turned.append(counter.turns > 0)
+                    # a turn the time slice gave the loop is not a suspension
+                    turned.append(counter.turns > 0 and w.spin_stats["slice_yields"] == yields)
                 finally:
                     counter.stop()
                 assert out == pattern(64, i)

@@ -107,23 +107,36 @@ class Request:
 
 class Worker:
     """``Worker(context, progress_mode="blocking", spin_us=None)``:
-    ``ucp_worker_create`` (thread mode SINGLE).
+    ``ucp_worker_create`` (thread mode SINGLE; SERIALIZED in the thread
+    modes).
 
     ``progress_mode`` is ``"blocking"``, ``"polling"``, ``"thread"`` or
     ``"thread-polling"`` (a C progress thread; see docs/ENGINE.md).
-    ``spin_us`` is the budget in microseconds an await spends progressing
-    the worker before it suspends (None: the mode's default, 0 blocking,
-    100 polling; 0: never spin; thread modes never spin)."""
+    ``spin_us`` is how long an await progresses the worker before it
+    suspends: ``"auto"`` (adapted to the traffic, at most 200 us), or a
+    fixed number of microseconds (0: never spin). None: the mode's default,
+    ``"auto"`` in blocking and thread mode, 100 in polling mode, 0 in
+    thread-polling mode."""
 
     def __init__(
         self,
         context: Context,
         progress_mode: str = "blocking",
-        spin_us: float | None = None,
+        spin_us: float | str | None = None,
     ) -> None: ...
     context: Context
     progress_mode: str
     spin_us: float
+    """The budget now (the adaptive one while ``spin_auto``); set a number
+    or ``"auto"``."""
+    @property
+    def spin_auto(self) -> bool:
+        """True while the spin budget adapts to the traffic."""
+    @property
+    def spin_stats(self) -> dict[str, int]:
+        """Counters of the spin policy: ``hits`` (awaits completed by a
+        spin), ``grows``, ``shrinks`` (of the auto budget) and
+        ``slice_yields`` (loop turns the time slice gave)."""
     @property
     def efd(self) -> int: ...
     @property
@@ -267,14 +280,3 @@ class ProgressCoroutine(Coroutine[Any, Any, None]):
     def throw(self, typ: Any, val: Any = ..., tb: Any = ...) -> Any: ...
     def close(self) -> None: ...
 
-class _LoopHook:
-    """A stdlib selector loop's ``_process_events`` while blocking- or
-    thread-mode workers are attached: runs their fd readers first, so the
-    tasks they wake run in the same loop iteration. Where the loop's class
-    keeps asyncio's own methods it also puts C ``call_soon``, ``get_debug``
-    and (Python 3.11) ``_run_once`` on the loop; all are removed with it.
-    ``UCXX_LOOP_HOOK=0`` turns it off (see csrc/loophook.c)."""
-
-    @property
-    def workers(self) -> tuple[Worker, ...]: ...
-    def __call__(self, event_list: list[tuple[Any, int]], /) -> None: ...

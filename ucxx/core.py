@@ -75,9 +75,13 @@ def init(
     connect_timeout: float
         Seconds the connection handshake may take; None:
         ``$UCXPY_CONNECT_TIMEOUT``, else 5.
-    spin_us: float
-        Microseconds an await progresses the worker before suspending; None:
-        ``$UCXPY_SPIN_US``, else the extension's default for the mode.
+    spin_us: "auto" or float
+        How long an await progresses the worker itself before it suspends
+        (microseconds). ``"auto"`` adapts the budget to the traffic: it
+        grows while replies arrive shortly after a spin gave up and shrinks
+        to 0 while waits are long (capped at 200 us; an idle process does
+        not spin). 0 never spins. None: ``$UCXPY_SPIN_US``, else ``"auto"``
+        (polling mode: a fixed 100). See docs/ENGINE.md.
 
     ``enable_delayed_submission`` and ``enable_python_future`` (RAPIDS
     options) are accepted and ignored.

@@ -80,7 +80,8 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     # "thread-polling". The UCXPY_PROGRESS_MODE environment variable wins.
     "progress-mode": "blocking",
     # Microseconds an await progresses the worker before it suspends
-    # (None: the progress mode's default, 0: never spin).
+    # ("auto": adapted to the traffic, None: the progress mode's default,
+    # 0: never spin).
     "spin-us": None,
     # UCX transports (UCX_TLS), e.g. "tcp", "tcp,sm", "all". None: UCX default.
     "tls": None,
@@ -181,7 +182,7 @@ def init_once() -> None:
         spin = _config("spin-us")
         if spin is not None:
             if "spin_us" in params:
-                kwargs["spin_us"] = float(spin)
+                kwargs["spin_us"] = spin if spin == "auto" else float(spin)
             else:
                 logger.warning(
                     "distributed.comm.ucxx.spin-us is set but this ucxx cannot "

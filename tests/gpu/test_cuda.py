@@ -18,11 +18,16 @@ except Exception as e:  # noqa: BLE001 - any CUDA failure means "no GPU here"
 pytestmark = [pytest.mark.gpu]
 
 SIZES = [1, 1000, 8191, 8193, 1 << 20, 64 << 20, 256 << 20]
+EARLY = 3 << 20
 
 
 def _server(q, sizes, mode):
     import cupy
     import ucxx
+
+    # Device memory allocated before UCX is initialised (UCX's memory-type
+    # cache learns of it from the process's mappings, not from its hooks).
+    early = cupy.empty(EARLY, dtype="u1")
 
     async def main():
         done = asyncio.get_running_loop().create_future()
@@ -33,6 +38,8 @@ def _server(q, sizes, mode):
                     buf = cupy.empty(n, dtype="u1")
                     await ep.recv(buf)
                     await ep.send(buf)
+                await ep.recv(early)
+                await ep.send(early)
                 frames = await ep.recv_multi()
                 await ep.send_multi(frames)
                 msg = await ep.am_recv()
@@ -61,6 +68,9 @@ def test_cupy_two_processes(mode):
     p = ctx.Process(target=_server, args=(q, SIZES, mode))
     p.start()
     port = q.get(timeout=120)
+    # allocated before ucxx.init (see _server)
+    early_src = cupy.random.randint(0, 255, EARLY, dtype="u1")
+    early_dst = cupy.zeros(EARLY, dtype="u1")
 
     async def main():
         ucxx.init(progress_mode=mode)
@@ -72,6 +82,9 @@ def test_cupy_two_processes(mode):
             await ep.send(src)
             await ep.recv(dst)
             assert bool((src == dst).all()), n
+        await ep.send(early_src)
+        await ep.recv(early_dst)
+        assert bool((early_src == early_dst).all()), "allocated before init"
         frames = [cupy.arange(100, dtype="f8"), cupy.empty(0, "u1"),
                   bytearray(b"host frame"), cupy.ones(3 << 20, "u1")]
         await ep.send_multi(frames)

@@ -4,6 +4,7 @@ logic of the asyncio API (handshake, endpoint and listener bookkeeping)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import ipaddress
 import logging
@@ -68,12 +69,28 @@ def _normalize_options(options) -> dict[str, str]:
     return out
 
 
+@functools.lru_cache(maxsize=1)
+def _known_options() -> frozenset[str]:
+    """The names of DEFAULT_UCX_OPTIONS the loaded UCX has
+    (TCP_USER_TIMEOUT, say, only from UCX 1.22 on): UCX refuses the
+    others."""
+    known = set()
+    for name, value in DEFAULT_UCX_OPTIONS.items():
+        try:
+            _ucxx.get_config({name: value})
+        except UCXError:
+            continue
+        known.add(name)
+    return frozenset(known)
+
+
 def effective_options(options=None) -> dict[str, str]:
     """``options`` plus this package's defaults for the options that neither
-    ``options`` nor the environment set."""
+    ``options`` nor the environment set and that the loaded UCX has."""
     opts = _normalize_options(options)
     for name, value in DEFAULT_UCX_OPTIONS.items():
-        if name not in opts and f"UCX_{name}" not in os.environ:
+        if (name not in opts and f"UCX_{name}" not in os.environ
+                and name in _known_options()):
             opts[name] = value
     return opts
 
@@ -107,6 +124,21 @@ def _resolve_float(value, env: str, default, what: str, allow_zero: bool):
     if f != f or f < 0 or (f == 0 and not allow_zero):
         raise ValueError(f"invalid {what} {value!r} (from {source})")
     return f
+
+
+def _resolve_spin(spin_us):
+    """spin_us: None (the mode's default), "auto", or microseconds >= 0;
+    None falls back to $UCXPY_SPIN_US."""
+    if spin_us is None:
+        spin_us = os.environ.get("UCXPY_SPIN_US") or None
+        if spin_us is None:
+            return None
+        source = "$UCXPY_SPIN_US"
+    else:
+        source = "spin_us"
+    if spin_us == "auto":
+        return "auto"
+    return _resolve_float(spin_us, "", None, f"spin_us (from {source})", True)
 
 
 def _resolve_host(host, port) -> str:
@@ -159,7 +191,7 @@ class ApplicationContext:
         spin_us=None,
     ):
         self.progress_mode = _resolve_progress_mode(progress_mode)
-        self.spin_us = _resolve_float(spin_us, "UCXPY_SPIN_US", None, "spin_us", True)
+        self.spin_us = _resolve_spin(spin_us)
         self.connect_timeout = _resolve_float(
             connect_timeout, "UCXPY_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
             "connect_timeout", False,

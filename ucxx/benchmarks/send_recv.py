@@ -208,6 +208,11 @@ def _non_negative_float(s: str) -> float:
     return v
 
 
+def _spin_us(s: str):
+    """--spin-us: 'auto' or a non-negative number of microseconds."""
+    return "auto" if s == "auto" else _non_negative_float(s)
+
+
 def _port(s: str) -> int:
     try:
         v = int(s)
@@ -391,13 +396,14 @@ def make_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--spin-us",
-        metavar="FLOAT",
+        metavar="auto|FLOAT",
         default=None,
-        type=_non_negative_float,
+        type=_spin_us,
         help="Spin budget in microseconds: how long an await progresses the "
         "worker before it suspends, passed as `ucxx.init(spin_us=...)` "
-        "(`Worker(spin_us=...)` with 'ucxx-core'). 0 never spins. "
-        "(Default: the package default of the progress mode)",
+        "(`Worker(spin_us=...)` with 'ucxx-core'). 'auto' adapts it to the "
+        "traffic (capped at 200), 0 never spins. (Default: 'auto', but a "
+        "fixed 100 in polling mode)",
     )
     parser.add_argument(
         "--event-loop",

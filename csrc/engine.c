@@ -1,0 +1,527 @@
+/*
+ * engine.c - the progress engine of a Worker: DRAIN, ARM, the "touched"
+ * rule, the readers the loop runs for the worker's fd, and the await spin.
+ * Owns no Python object and no UCX handle (the Worker owns both); runs on
+ * the loop's thread, with the worker lock held around UCX calls.
+ *
+ * The progress invariant (DESIGN.md): once ucp_worker_arm() succeeded the
+ * loop may sleep on the event fd; any UCX call made after that must be
+ * followed by a drain + re-arm before the loop polls again.  Every entry
+ * point calls ucxx_worker_touched() after its UCX call, which clears
+ * `armed` and queues the _rearm callback (loop.call_soon: it runs before
+ * the loop's next blocking poll).  An await that is about to suspend
+ * re-arms inline instead.
+ *
+ * The await spin (docs/ENGINE.md, "Spin"): an await that would suspend
+ * first progresses the worker itself for a budget.  With spin_us="auto"
+ * the budget adapts like KVM's halt polling: a completion that arrived
+ * after the spin gave up, within UCXX_SPIN_CAP_US, with no other UCX
+ * traffic of this process meanwhile, doubles it (from UCXX_SPIN_GROW_US);
+ * one that took longer, or came while this process was busy with its own
+ * traffic, halves it (to 0 below UCXX_SPIN_GROW_US).  A spin ends when its request completes, when the
+ * progress it makes wakes another task, when the budget is spent (the
+ * await then sleeps) or when the time slice is: the loop gets a turn at
+ * least every UCXX_SLICE_US while awaits complete inline, so that timers
+ * and other tasks keep their timing (the idea of Tokio's task budget).
+ */
+#include "ucxx.h"
+#include <time.h>
+#include <unistd.h>
+
+static void
+unraisable(PyObject *obj)
+{
+    if (PyErr_Occurred()) {
+        PyErr_WriteUnraisable(obj);
+    }
+}
+
+void
+ucxx_worker_queue_done(WorkerObject *w, RequestObject *r)
+{
+    UCXX_ASSERT_LOCKED(w);
+    if (r->queued) {
+        return;
+    }
+    assert(r->npending == 0 && r->next_done == NULL);
+    r->queued = 1;
+    if (w->done_tail != NULL) {
+        w->done_tail->next_done = r;
+    } else {
+        w->done_head = r;
+    }
+    w->done_tail = r;
+}
+
+/* Anything UCX callbacks recorded that dispatch would act on. */
+static inline int
+has_work(WorkerObject *w)
+{
+    return w->done_head != NULL || !ucxx_list_empty(&w->errored) ||
+           !ucxx_list_empty(&w->conn_ready) || !ucxx_list_empty(&w->am_ready);
+}
+
+/* Turn what UCX callbacks recorded into Python effects.  Never raises.
+ * Everything but a request nobody awaits wakes somebody (w->wakeups). */
+int
+ucxx_worker_dispatch(WorkerObject *w)
+{
+    int n = 0;
+
+    UCXX_ASSERT_LOCKED(w);
+    if (w->dispatching) {
+        return 0;
+    }
+    w->dispatching = 1;
+    for (;;) {
+        if (w->done_head != NULL) {
+            RequestObject *r = w->done_head;
+
+            assert(r->queued && r->npending == 0);
+            w->done_head = r->next_done;
+            if (w->done_head == NULL) {
+                w->done_tail = NULL;
+            }
+            r->queued = 0;
+            r->next_done = NULL;
+            ucxx_request_dispatch(r);
+        } else if (!ucxx_list_empty(&w->errored)) {
+            EndpointObject *ep = UCXX_CONTAINER(w->errored.next,
+                                                EndpointObject, elink);
+            ucxx_list_del(&ep->elink);
+            ep->err_queued = 0;
+            ucxx_endpoint_report_error(ep);
+            w->wakeups++;
+        } else if (!ucxx_list_empty(&w->conn_ready)) {
+            ListenerObject *l = UCXX_CONTAINER(w->conn_ready.next,
+                                               ListenerObject, clink);
+            ucxx_list_del(&l->clink);
+            l->conn_queued = 0;
+            ucxx_listener_deliver(l);
+            w->wakeups++;
+        } else if (!ucxx_list_empty(&w->am_ready)) {
+            EndpointObject *ep = UCXX_CONTAINER(w->am_ready.next,
+                                                EndpointObject, alink);
+            ucxx_list_del(&ep->alink);
+            ucxx_am_deliver(ep);
+            w->wakeups++;
+        } else {
+            break;
+        }
+        n++;
+    }
+    w->dispatching = 0;
+    return n;
+}
+
+/* Progress until idle or budget spent; returns 1 if work may remain.
+ * Dispatching can call UCX (a failed endpoint is force-closed, a listener
+ * creates endpoints): after a dispatch that did anything, progress again,
+ * so that "drained" really means nothing is left before an arm. */
+unsigned
+ucxx_worker_drain(WorkerObject *w, unsigned budget)
+{
+    unsigned n = 0;
+
+    UCXX_ASSERT_LOCKED(w);
+    w->armed = 0;
+    for (;;) {
+        while (ucp_worker_progress(w->handle) != 0) {
+            if (++n >= budget) {
+                ucxx_worker_dispatch(w);
+                return 1;
+            }
+        }
+        if (ucxx_worker_dispatch(w) == 0) {
+            return 0;
+        }
+        if (++n >= budget) {
+            return 1;
+        }
+    }
+}
+
+/* DRAIN (unless the caller just did) + ARM.
+ * 0: armed; 1: budget spent, call again; -1: error set. */
+int
+ucxx_worker_arm(WorkerObject *w, int drained)
+{
+    ucs_status_t status;
+
+    for (int i = 0; i < 64; i++) {
+        if (!drained && ucxx_worker_drain(w, UCXX_DRAIN_BUDGET)) {
+            return 1;
+        }
+        drained = 0;
+        status = ucp_worker_arm(w->handle);
+        if (status == UCS_OK) {
+            w->armed = 1;
+            return 0;
+        }
+        if (status != UCS_ERR_BUSY) {
+            ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+                              "ucp_worker_arm");
+            return -1;
+        }
+    }
+    return 1;
+}
+
+/* Queue _rearm to run before the loop's next blocking poll. */
+static void
+schedule_rearm(WorkerObject *w)
+{
+    if (w->rearm_scheduled || w->loop == NULL) {
+        return;
+    }
+    if (ucxx_call_soon(w, w->rearm_cb, NULL) < 0) {
+        /* The loop is closed: nobody will poll the fd any more. */
+        PyErr_Clear();
+        return;
+    }
+    w->rearm_scheduled = 1;
+}
+
+/* Called (lock held) after every UCX call made by an entry point. */
+void
+ucxx_worker_touched(WorkerObject *w)
+{
+    UCXX_ASSERT_LOCKED(w);
+    ucxx_state_of((PyObject *)w)->ucx_calls++;
+    if (w->armed) {
+        w->armed = 0;
+        if (w->mode == UCXX_MODE_BLOCKING) {
+            schedule_rearm(w);
+        } else if (w->thread_running) {
+            ucxx_thread_wake(w);
+        }
+    }
+}
+
+/* Blocking mode, before the loop may sleep: drain and arm; if the drain
+ * budget ran out, leave the rest to _rearm (the loop runs it before it
+ * polls again).  -1 with an error set if UCX refused the arm. */
+int
+ucxx_worker_service(WorkerObject *w, int drained)
+{
+    int rc;
+
+    if (w->handle == NULL) {
+        return 0;
+    }
+    rc = ucxx_worker_arm(w, drained);
+    if (rc == 1) {
+        schedule_rearm(w);
+    }
+    return rc < 0 ? -1 : 0;
+}
+
+/* ---- the readers the loop runs ----------------------------------------- */
+
+PyObject *
+ucxx_worker_on_efd(WorkerObject *w, PyObject *unused)
+{
+    unsigned n = 0;
+
+    if (w->handle == NULL) {
+        Py_RETURN_NONE;
+    }
+    w->slice_start = 0.0;       /* the loop is taking a turn */
+    w->armed = 0;
+    while (ucp_worker_progress(w->handle) != 0) {
+        if (w->done_head != NULL || ++n >= UCXX_DRAIN_BUDGET) {
+            /* Requests completed: resolve them and let their tasks run
+             * first; the rest of the drain and the arm happen in _rearm,
+             * queued behind those tasks (they usually re-arm themselves
+             * while they suspend again).  This keeps the final empty
+             * progress call and ucp_worker_arm off the wakeup path. */
+            ucxx_worker_dispatch(w);
+            schedule_rearm(w);
+            Py_RETURN_NONE;
+        }
+    }
+    /* Dispatching may have called UCX: drain once more before the arm. */
+    if (ucxx_worker_service(w, ucxx_worker_dispatch(w) == 0) < 0) {
+        unraisable((PyObject *)w);
+    }
+    Py_RETURN_NONE;
+}
+
+PyObject *
+ucxx_worker_on_notify(WorkerObject *w, PyObject *unused)
+{
+    uint64_t v;
+
+    if (w->notify_fd >= 0 && read(w->notify_fd, &v, sizeof(v)) < 0) {
+        /* EAGAIN: nothing to read, dispatch anyway */
+    }
+    w->slice_start = 0.0;
+    ucxx_lock(w);
+    w->notified = 0;
+    ucxx_worker_dispatch(w);
+    ucxx_unlock(w);
+    Py_RETURN_NONE;
+}
+
+PyObject *
+ucxx_worker_rearm(WorkerObject *w, PyObject *unused)
+{
+    w->rearm_scheduled = 0;
+    if (!w->armed && ucxx_worker_service(w, 0) < 0) {
+        unraisable((PyObject *)w);
+    }
+    Py_RETURN_NONE;
+}
+
+/* ---- the await spin and the time slice ---------------------------------- */
+
+double
+ucxx_now_us(void)
+{
+    struct timespec ts;
+
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e6 + ts.tv_nsec / 1e3;
+}
+
+/* An await that completed at once: 1 if the task should give the loop a
+ * turn first (the slice is spent).  The clock is read once every
+ * UCXX_SLICE_CHECK such awaits only: they cost well under a microsecond
+ * each, so the slice is overrun by a few microseconds at most. */
+int
+ucxx_slice_spent(WorkerObject *w)
+{
+    double now;
+
+    if (++w->inline_count < UCXX_SLICE_CHECK) {
+        return 0;
+    }
+    w->inline_count = 0;
+    now = ucxx_now_us();
+    if (w->slice_start == 0.0) {
+        w->slice_start = now;
+        return 0;
+    }
+    return now - w->slice_start >= UCXX_SLICE_US;
+}
+
+/*
+ * What a task yields to give the loop its turn when the slice is spent: a
+ * future resolved by a timer due now (loop.call_later(0, ...)), which the
+ * loop runs after the timers already due, so that a task woken by one of
+ * those (its wake-up is queued when the timer runs) runs before this one
+ * resumes.  A bare yield (as asyncio.sleep(0)) would put the task back in
+ * the ready queue ahead of those wake-ups, and the loop would run a whole
+ * slice of it first.  A worker not attached to a loop yet yields None.
+ */
+PyObject *
+ucxx_slice_yield(WorkerObject *w)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    PyObject *fut, *set, *res;
+
+    w->slice_start = 0.0;
+    w->slice_yields++;
+    if (w->loop == NULL) {
+        return Py_NewRef(Py_None);
+    }
+    fut = ucxx_worker_new_future(w, st);
+    if (fut == NULL) {
+        return NULL;
+    }
+    set = PyObject_GetAttr(fut, st->s_set_result);
+    if (set == NULL) {
+        Py_DECREF(fut);
+        return NULL;
+    }
+    {
+        PyObject *args[4] = {w->loop, st->zero, set, Py_None};
+
+        res = PyObject_VectorcallMethod(st->s_call_later, args,
+                                        4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
+                                        NULL);
+    }
+    Py_DECREF(set);
+    if (res == NULL || PyObject_SetAttr(fut, st->s_blocking, Py_True) < 0) {
+        Py_XDECREF(res);
+        Py_DECREF(fut);
+        return NULL;
+    }
+    Py_DECREF(res);
+    return fut;
+}
+
+/*
+ * The completion of r, which slept: adapt the auto budget.  Waits longer
+ * than the cap shrink it.  A shorter wait that outlasted the budget grows
+ * it only if nothing in this process called UCX while r slept: the reply
+ * came from a peer, and spinning on would have caught it at no cost to
+ * anyone.  If other tasks of this thread posted or closed something
+ * meanwhile, the reply may well have needed them (both ends in one
+ * process: the reply is the other task's send), and spinning would only
+ * have delayed them: shrink.
+ */
+void
+ucxx_spin_feedback(RequestObject *r)
+{
+    WorkerObject *w = r->worker;
+    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    double block = ucxx_now_us() - r->wait_start, b = w->spin_us;
+
+    if (block <= b) {
+        return;
+    }
+    if (w->spin_backoff > 0) {
+        w->spin_backoff--;
+        return;
+    }
+    if (block <= UCXX_SPIN_CAP_US && st->ucx_calls == r->sleep_calls) {
+        if (b < UCXX_SPIN_CAP_US) {
+            b = b * 2 < UCXX_SPIN_GROW_US ? UCXX_SPIN_GROW_US : b * 2;
+            w->spin_us = b > UCXX_SPIN_CAP_US ? UCXX_SPIN_CAP_US : b;
+            w->spin_grows++;
+        }
+    } else if (b > 0) {
+        w->spin_us = b / 2 < UCXX_SPIN_GROW_US ? 0.0 : b / 2;
+        w->spin_shrinks++;
+    }
+}
+
+/* An auto spin expired with nothing.  While most spins do (the machine is
+ * oversubscribed: the peer's reply waits for a CPU, which spinning only
+ * keeps busy), stop spinning for UCXX_SPIN_BACKOFF sleeps. */
+static void
+spin_missed(WorkerObject *w)
+{
+    w->spin_hit_rate -= w->spin_hit_rate / 8;
+    if (w->spin_hit_rate < 0.5) {
+        w->spin_hit_rate = 0.5;
+        w->spin_us = 0.0;
+        w->spin_backoff = UCXX_SPIN_BACKOFF;
+        w->spin_shrinks++;
+    }
+}
+
+/* One spin step: progress, unless a progress thread owns that; 1 if UCX
+ * callbacks recorded something to dispatch.  Thread mode: the progress
+ * thread sleeps on the fd between messages, so the loop thread progresses
+ * while it spins (if the thread is not progressing right now); in
+ * thread-polling mode the thread progresses all the time and the spin
+ * only watches for what it delivers. */
+static int
+spin_step(WorkerObject *w)
+{
+    if (!UCXX_THREADED(w)) {
+        ucp_worker_progress(w->handle);
+        return has_work(w);
+    }
+    if (w->mode == UCXX_MODE_THREAD && pthread_mutex_trylock(&w->lock) == 0) {
+        UCXX_LOCK_ACQUIRED(w);
+        ucp_worker_progress(w->handle);
+        w->spin_progressed = 1;
+        UCXX_LOCK_RELEASING(w);
+        pthread_mutex_unlock(&w->lock);
+    }
+    return __atomic_load_n(&w->done_head, __ATOMIC_ACQUIRE) != NULL ||
+           __atomic_load_n(&w->notified, __ATOMIC_ACQUIRE);
+}
+
+/* Thread modes, lock held: the batch the progress thread announced on
+ * notify_fd is being dispatched here, so the loop need not wake for it. */
+static void
+spin_take_notify(WorkerObject *w)
+{
+    uint64_t v;
+
+    if (w->notified) {
+        if (read(w->notify_fd, &v, sizeof(v)) < 0) {
+            /* EAGAIN: already read */
+        }
+        w->notified = 0;
+    }
+}
+
+/*
+ * Progress the worker for r's await: UCXX_SPIN_DONE if r completed,
+ * UCXX_SPIN_SLEEP if the await must suspend until the completion (budget
+ * spent, or the spin woke another task), UCXX_SPIN_YIELD if the slice is
+ * spent and the task should give the loop one turn, then spin on.
+ * The clock is read every 8 steps only (a reading costs about as much as a
+ * shared-memory progress call).
+ */
+int
+ucxx_spin(RequestObject *r)
+{
+    WorkerObject *w = r->worker;
+    double now, deadline, slice_end;
+    unsigned long wakeups = w->wakeups;
+    unsigned i = 0;
+    int rc;
+
+    if (w->handle == NULL) {
+        return UCXX_SPIN_SLEEP;
+    }
+    now = ucxx_now_us();
+    if (r->wait_start == 0.0) {
+        r->wait_start = now;
+    }
+    if (w->slice_start == 0.0) {
+        w->slice_start = now;
+    }
+    deadline = r->wait_start + w->spin_us;
+    slice_end = w->slice_start + UCXX_SLICE_US;
+    if (now >= deadline) {
+        return UCXX_SPIN_SLEEP;
+    }
+    if (now >= slice_end) {
+        return UCXX_SPIN_YIELD;
+    }
+    /* Thread modes: the lock is taken per step, never across the spin
+     * (the progress thread must be able to progress meanwhile). */
+    w->spin_progressed = 0;
+    if (!UCXX_THREADED(w)) {
+        ucxx_worker_touched(w);
+    }
+    for (;;) {
+        if (spin_step(w)) {
+            ucxx_lock(w);
+            spin_take_notify(w);
+            ucxx_worker_dispatch(w);
+            ucxx_unlock(w);
+            if (r->status != UCS_INPROGRESS) {
+                rc = UCXX_SPIN_DONE;
+                break;
+            }
+            if (w->wakeups != wakeups) {
+                rc = UCXX_SPIN_SLEEP;
+                break;
+            }
+        }
+        if ((++i & 7) == 0) {
+            now = ucxx_now_us();
+            if (now >= deadline) {
+                rc = UCXX_SPIN_SLEEP;
+                break;
+            }
+            if (now >= slice_end) {
+                rc = UCXX_SPIN_YIELD;
+                break;
+            }
+        }
+    }
+    if (w->spin_progressed) {
+        /* The loop thread called UCX while the progress thread slept on an
+         * armed worker: the thread drains and re-arms. */
+        ucxx_lock(w);
+        ucxx_worker_touched(w);
+        ucxx_unlock(w);
+    }
+    if (rc == UCXX_SPIN_DONE) {
+        w->spin_hits++;
+        w->spin_hit_rate += (1.0 - w->spin_hit_rate) / 8;
+    } else if (rc == UCXX_SPIN_SLEEP && w->wakeups == wakeups &&
+               w->spin_auto) {
+        spin_missed(w);
+    }
+    return rc;
+}
