@@ -167,6 +167,9 @@ def test_default_ucx_options_the_loaded_ucx_lacks_are_left_out(monkeypatch):
     try:
         opts = ac.effective_options()
         assert "TCP_USER_TIMEOUT" not in opts and "KEEPALIVE_INTERVAL" in opts
+        # without a user timeout, UCX's keepalive messages to a silent host
+        # would be retransmitted for minutes: the kernel's keepalive instead
+        assert {k: opts[k] for k in ac.KERNEL_KEEPALIVE_OPTIONS} == ac.KERNEL_KEEPALIVE_OPTIONS
     finally:
         ac._known_options.cache_clear()
 

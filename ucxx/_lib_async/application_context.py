@@ -56,6 +56,12 @@ DEFAULT_UCX_OPTIONS = {
     "TCP_CM_REUSEADDR": "y",
 }
 
+# Instead of TCP_KEEPIDLE=inf where the loaded UCX has no TCP_USER_TIMEOUT
+# (before 1.22): without a user timeout UCX's keepalive messages to a silent
+# host would be retransmitted for about 15 minutes, while the kernel's
+# keepalive closes (the connecting side's) idle socket after 1 s + 3 x 1 s.
+KERNEL_KEEPALIVE_OPTIONS = {"TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3"}
+
 
 def _normalize_options(options) -> dict[str, str]:
     out = {}
@@ -71,11 +77,11 @@ def _normalize_options(options) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def _known_options() -> frozenset[str]:
-    """The names of DEFAULT_UCX_OPTIONS the loaded UCX has
-    (TCP_USER_TIMEOUT, say, only from UCX 1.22 on): UCX refuses the
-    others."""
+    """The names of DEFAULT_UCX_OPTIONS (and KERNEL_KEEPALIVE_OPTIONS) the
+    loaded UCX has (TCP_USER_TIMEOUT, say, only from UCX 1.22 on): UCX
+    refuses the others."""
     known = set()
-    for name, value in DEFAULT_UCX_OPTIONS.items():
+    for name, value in {**DEFAULT_UCX_OPTIONS, **KERNEL_KEEPALIVE_OPTIONS}.items():
         try:
             _ucxx.get_config({name: value})
         except UCXError:
@@ -84,13 +90,22 @@ def _known_options() -> frozenset[str]:
     return frozenset(known)
 
 
+def _defaults() -> dict[str, str]:
+    """DEFAULT_UCX_OPTIONS that the loaded UCX has; the kernel's keepalive
+    instead of UCX's on tcp where it has no TCP_USER_TIMEOUT."""
+    known = _known_options()
+    defaults = dict(DEFAULT_UCX_OPTIONS)
+    if "TCP_USER_TIMEOUT" not in known:
+        defaults.update(KERNEL_KEEPALIVE_OPTIONS)
+    return {k: v for k, v in defaults.items() if k in known}
+
+
 def effective_options(options=None) -> dict[str, str]:
     """``options`` plus this package's defaults for the options that neither
     ``options`` nor the environment set and that the loaded UCX has."""
     opts = _normalize_options(options)
-    for name, value in DEFAULT_UCX_OPTIONS.items():
-        if (name not in opts and f"UCX_{name}" not in os.environ
-                and name in _known_options()):
+    for name, value in _defaults().items():
+        if name not in opts and f"UCX_{name}" not in os.environ:
             opts[name] = value
     return opts
 
