@@ -308,6 +308,7 @@ def local_facts(dask_worker=None, dask_scheduler=None) -> dict:
     out = {"listen": [lst.listen_address for lst in server.listeners],
            "contact": [lst.contact_address for lst in server.listeners],
            "loop": type(asyncio.get_running_loop()).__module__.split(".")[0],
+           "backend": type(server.listeners[0]).__module__ if server.listeners else None,
            "net_devices": None, "transports": None}
     try:
         import ucxx

@@ -1,5 +1,6 @@
-"""A Dask cluster across hosts over ``ucxx://``: addresses, computations,
-faults on the links and recovery.
+"""A Dask cluster across hosts over this package's backend (``ucxx://``,
+or ``ucxx-c://`` where ``ucxx://`` may be distributed-ucxx's): addresses,
+computations, faults on the links and recovery.
 
 Hosts (tests/_netns.py): network namespaces ``a``, ``b``, ``c``, each with
 one link (``eth0``) to a router namespace. The cluster (tests/_dask_hosts.py):
@@ -74,6 +75,27 @@ REJOIN_BOUND_S = 60.0
 LOSS_PCT = 5.0
 FIGURES: dict[str, float] = {}
 
+
+def _this_backends_scheme() -> str:
+    """The scheme that reaches ucxx.distributed's backend: ``ucxx``, or
+    ``ucxx-c`` where this package registers one (``ucxx://`` may then be
+    distributed-ucxx's). test_addresses checks the backend actually used."""
+    from distributed.comm.registry import get_backend
+
+    import ucxx.distributed
+
+    for scheme in ("ucxx-c", "ucxx"):
+        try:
+            backend = get_backend(scheme)
+        except ValueError:
+            continue
+        if type(backend).__module__ == ucxx.distributed.__name__:
+            return scheme
+    return "ucxx"
+
+
+SCHEME = _this_backends_scheme()
+
 pytestmark = pytest.mark.timeout(300)
 
 
@@ -104,7 +126,7 @@ def _start_cluster(net, protocol: str):
 
 @pytest.fixture(scope="module")
 def cluster(net):
-    cl = _start_cluster(net, "ucxx")
+    cl = _start_cluster(net, SCHEME)
     yield cl
     if FIGURES:
         print("\n[multihost figures] " + ", ".join(f"{k}: {v:.2f} s" for k, v in FIGURES.items()))
@@ -162,7 +184,10 @@ def test_addresses(cluster, net):
     addr = ensure_workers(cluster)
     info = cluster.call("info")
     a = net["a"]
-    assert info["scheduler"] == f"ucxx://{a.ip}:{cluster.port}"
+    assert info["scheduler"] == f"{SCHEME}://{a.ip}:{cluster.port}"
+    # every process runs this package's comm backend
+    assert {f["backend"] for f in [info["scheduler_facts"], *info["facts"].values()]} == {
+        "ucxx.distributed"}
     assert info["scheduler_facts"]["listen"] == [info["scheduler"]]
     assert info["scheduler_facts"]["net_devices"] == "eth0"
     # CI's second pass (UCXX_TEST_EVENT_LOOP=uvloop) runs the cluster on uvloop
@@ -173,14 +198,14 @@ def test_addresses(cluster, net):
     for name, (host, style, _cfg, port) in WORKERS.items():
         h = net[host]
         w = addr[name]
-        assert w.startswith(f"ucxx://{h.ip}:"), (name, w)
+        assert w.startswith(f"{SCHEME}://{h.ip}:"), (name, w)
         facts = info["facts"][w]
         assert facts["contact"] == [w]
         assert facts["net_devices"] == "eth0", (name, facts)
         wport = w.rsplit(":", 1)[1]
         if style == "listen":
-            assert w == f"ucxx://{h.ip}:{port}"
-            assert facts["listen"] == [f"ucxx://0.0.0.0:{port}"]
+            assert w == f"{SCHEME}://{h.ip}:{port}"
+            assert facts["listen"] == [f"{SCHEME}://0.0.0.0:{port}"]
             assert f"0.0.0.0:{port} " in listening[host]
         else:
             assert facts["listen"] == [w]
