@@ -105,7 +105,6 @@ class Cluster:
         self.workers: dict[str, Proc] = {}
         self.driver: Proc | None = None
         self._buf = b""
-        self._counter = 0
 
     @property
     def address(self) -> str:
@@ -503,11 +502,6 @@ class Driver:
         return {"workers": workers,
                 "scheduler": self.client.run_on_scheduler(get_records),
                 "events": self.client.run_on_scheduler(_worker_events)}
-
-    def retire(self, names) -> dict:
-        addr = self._addresses()
-        self.client.retire_workers([addr[n] for n in names], close_workers=True)
-        return {}
 
     def _addresses(self) -> dict:
         info = self.client.scheduler_info(n_workers=-1)["workers"]

@@ -46,6 +46,7 @@ kind of shaping cannot.
 from __future__ import annotations
 
 import collections
+import json
 import os
 import random
 import re
@@ -300,8 +301,6 @@ class Network:
     def counters(self, host: str) -> dict:
         """Bytes through the router's end of ``host``'s link: ``from_host``
         (received from it) and ``to_host`` (sent to it)."""
-        import json
-
         r = self.rsh("ip", "-s", "-j", "link", "show", "dev", self.hosts[host].rdev)
         stats = json.loads(r.stdout)[0]["stats64"]
         return {"from_host": stats["rx"]["bytes"], "to_host": stats["tx"]["bytes"]}
@@ -469,8 +468,6 @@ class Network:
     def rtt(self, src: str, dst: str, count: int = 200) -> dict:
         """Round-trip times (µs: p10, p50, p90) of ``count`` small UDP
         messages from host ``src`` to an echo on host ``dst``."""
-        import json
-
         d = self.hosts[dst]
         port = 9999
         echo = subprocess.Popen(
@@ -672,8 +669,6 @@ def echo_main(ip: str, port: int) -> int:
 def ping_main(ip: str, port: int, count: int) -> int:
     """Print {p10, p50, p90} of ``count`` UDP round trips (µs) as JSON; a
     message lost (netem or iptables loss) is sent again."""
-    import json
-
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     s.settimeout(0.5)
     rtts = []
