@@ -2,31 +2,47 @@
 
 A client and a server process (the client spawns the server), connected
 over UCX (``UCX_TLS=tcp`` unless ``--tls`` says otherwise). Each iteration
-the client sends ``--frames`` frames (16 by default) of one size and the
-server echoes them back, both sides using the same method:
+the client sends ``--frames`` frames (16 by default) of one size with one
+method, and the server receives them with the same method; then
+
+``--pattern ack``   the server answers with a 1-byte ack: time = the
+                    batch one way plus the ack (a round trip);
+``--pattern echo``  the server sends the batch back with the same method:
+                    time = half the round trip (the suite's pattern).
+
+Methods:
 
 ``gather``      ``await ep.gather_send(frames)`` / ``await ep.gather_recv(bufs)``:
-                all posts in one C call, one awaitable.
+                one operation (IOV runs, see docs/ENGINE.md "Gathers").
 ``sequential``  ``for f in frames: await ep.send(f)`` / the same with
                 ``await ep.recv(buf)``.
 ``asyncio``     ``await asyncio.gather(*(ep.send(f) for f in frames))`` / the
-                same with ``ep.recv``.
+                same with ``ep.recv``: every frame posted at once, one
+                message each.
 ``single``      for scale: one message carrying the bytes of all the frames
                 (``await ep.send(big)`` / ``await ep.recv(big)``).
 
-All three methods run in one session, interleaved: every round measures
-each method (rotating the order) for ``--iters`` iterations at every frame
-size, and records the client's CPU time (user and system, ``getrusage``). The time of one batch is half its round trip (one way); each
-measurement keeps the median and the mean over its iterations; the report
-gives the median over rounds of those, and the speed-ups are the medians of
-the per-round ratios (sequential / gather, asyncio / gather), from the
-per-measurement medians (and, in the JSON, from the means as well).
+All methods run in one session, interleaved: every round measures each
+method (rotating the order) for ``--iters`` iterations at every frame
+size, and records the client's CPU time (user and system, ``getrusage``).
+Each measurement keeps the median and the mean batch time over its
+iterations; the report gives the median over rounds of those, the
+bandwidth (batch bytes / median time), and the speed-ups as the medians of
+the per-round ratios (sequential / gather, asyncio / gather). ``--mode``
+takes a list (``blocking,polling``): one server per mode, one after the
+other. ``--perftest`` adds raw UCX figures for the same batch: ``ucx_perftest
+-t tag_bw`` with one contiguous message of the batch's total and with one
+IOV message of the frames (``-D iov``), same transports.
 
-    python benchmarks/gather_bench.py --sizes 1K,64K --rounds 7 --iters 300 \\
-        --cpus 0,1 [--mode blocking] [--spin-us 0] [--json]
+    python benchmarks/gather_bench.py --pattern ack --sizes 1K --rounds 7 \
+        --iters 300 --mode blocking,polling --cpus 0,1 [--spin-us 0] [--json]
+    python benchmarks/gather_bench.py --pattern ack --sizes 4M --rounds 5 \
+        --iters 20 --methods gather,sequential,asyncio,single --perftest
 
-Targets (1 KiB frames): gather at least 3x faster than sequential awaits
-and at least 2x faster than asyncio.gather.
+Targets (docs/BENCHMARKS.md, "Gathers"): 16 x 1 KiB with ack, gather at
+least 3x faster than sequential awaits and than asyncio.gather; 16 x 4 MiB,
+gather bandwidth at least 0.95x the one-message-per-frame methods and 0.9x
+ucx_perftest's for the same total.
 """
 
 from __future__ import annotations
@@ -37,6 +53,7 @@ import json
 import os
 import resource
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -63,13 +80,14 @@ METHODS = ("gather", "sequential", "asyncio", "single")
 TAG = 0x47415448  # "GATH"
 
 
-def _schedule(rounds: int, sizes: list[int]):
+def _schedule(rounds: int, sizes: list[int], methods=METHODS):
     """(round, size, method) in run order; identical on both sides."""
+    methods = tuple(methods)
     out = []
     for r in range(rounds):
         for s in sizes:
-            k = r % len(METHODS)
-            order = METHODS[k:] + METHODS[:k]
+            k = r % len(methods)
+            order = methods[k:] + methods[:k]
             for m in order:
                 out.append((r, s, m))
     return out
@@ -157,13 +175,18 @@ async def _server(args) -> int:
     sizes = args.sizes
     bufs_by_size = {s: [bytearray(s) for _ in range(args.frames)] for s in sizes}
     big_by_size = {s: bytearray(s * args.frames) for s in sizes}
-    for _r, s, m in _schedule(args.rounds, sizes):
+    ack = bytearray(1)
+    echo = args.pattern == "echo"
+    for _r, s, m in _schedule(args.rounds, sizes, args.methods):
         bufs, big = bufs_by_size[s], big_by_size[s]
-        # echo: receive into bufs, send the same bufs back
+        # receive into bufs; echo the same bufs back, or ack
         do_send, do_recv = _make_ops(ep, m, bufs, bufs, big, big)
         for _ in range(args.warmup + args.iters):
             await do_recv()
-            await do_send()
+            if echo:
+                await do_send()
+            else:
+                await ep.send(ack)
     fin = bytearray(1)
     await ep.recv(fin)
     await _teardown(ctx, w, listener, ep)
@@ -178,23 +201,34 @@ async def _client(args, port: int) -> dict:
     bufs_by_size = {s: [bytearray(s) for _ in range(args.frames)] for s in sizes}
     big_out = {s: bytearray(b"".join(frames_by_size[s])) for s in sizes}
     big_in = {s: bytearray(s * args.frames) for s in sizes}
+    ack = bytearray(1)
+    echo = args.pattern == "echo"
+    # Echo: one way is half the round trip; ack: the batch plus the ack.
+    scale = 2.0 if echo else 1.0
     clock = time.perf_counter_ns
-    # times[size][method] = list (per round) of mean one-way ns per batch
-    times: dict = {s: {m: [] for m in METHODS} for s in sizes}
-    means: dict = {s: {m: [] for m in METHODS} for s in sizes}
-    cpu: dict = {s: {m: [] for m in METHODS} for s in sizes}
-    for r, s, m in _schedule(args.rounds, sizes):
+    methods = args.methods
+    # times[size][method] = list (per round) of the median batch time, ns
+    times: dict = {s: {m: [] for m in methods} for s in sizes}
+    means: dict = {s: {m: [] for m in methods} for s in sizes}
+    cpu: dict = {s: {m: [] for m in methods} for s in sizes}
+    recv_ack = ep.recv
+    for r, s, m in _schedule(args.rounds, sizes, methods):
         frames, bufs = frames_by_size[s], bufs_by_size[s]
         do_send, do_recv = _make_ops(ep, m, frames, bufs, big_out[s], big_in[s])
+        if echo:
+            finish = do_recv
+        else:
+            async def finish():
+                await recv_ack(ack)
         for _ in range(args.warmup):
             await do_send()
-            await do_recv()
+            await finish()
         samples = [0] * args.iters
         ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = t_prev = clock()
         for i in range(args.iters):
             await do_send()
-            await do_recv()
+            await finish()
             t_now = clock()
             samples[i] = t_now - t_prev
             t_prev = t_now
@@ -202,20 +236,29 @@ async def _client(args, port: int) -> dict:
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu[s][m].append(((ru1.ru_utime - ru0.ru_utime) * 1e9 / args.iters,
                           (ru1.ru_stime - ru0.ru_stime) * 1e9 / args.iters))
-        if args.check and (any(b != f for b, f in zip(bufs, frames)) if m != "single"
-                           else big_in[s] != big_out[s]):
+        if args.check and echo and (any(b != f for b, f in zip(bufs, frames))
+                                    if m != "single" else big_in[s] != big_out[s]):
             raise PyBenchError(f"{m} {s}: echoed frames differ")
-        med = statistics.median(samples) / 2.0
-        mean = dt / args.iters / 2.0
+        med = statistics.median(samples) / scale
+        mean = dt / args.iters / scale
         times[s][m].append(med)
         means[s][m].append(mean)
         if args.verbose:
             print(f"round {r + 1}/{args.rounds} {s:>6} B x{args.frames} {m:10} "
-                  f"median {med / 1e3:9.1f} us, mean {mean / 1e3:9.1f} us per batch "
-                  f"(one way)", file=sys.stderr, flush=True)
+                  f"median {med / 1e3:9.1f} us, mean {mean / 1e3:9.1f} us per batch",
+                  file=sys.stderr, flush=True)
     await ep.send(bytearray(1))
     await _teardown(ctx, w, listener, ep)
     return _summarise(args, times, means, cpu)
+
+
+def _ratio(per: dict, means: dict, a: str, b: str = "gather"):
+    """Median and range of the per-round ratios a / b (medians; means)."""
+    if a not in per or b not in per:
+        return None
+    rs = [x / y for x, y in zip(per[a], per[b])]
+    rm = [x / y for x, y in zip(means[a], means[b])]
+    return statistics.median(rs), [min(rs), max(rs)], statistics.median(rm)
 
 
 def _summarise(args, times, means, cpu) -> dict:
@@ -225,64 +268,140 @@ def _summarise(args, times, means, cpu) -> dict:
         "iters": args.iters,
         "mode": args.mode,
         "spin_us": args.spin_us,
+        "pattern": args.pattern,
+        "methods": list(args.methods),
         "tls": args.tls,
         "cpus": args.cpus,
         "net_devices": os.environ.get("UCX_NET_DEVICES"),
         "sizes": {},
     }
     for s, per in times.items():
-        g = per["gather"]
         entry = {}
-        for m in METHODS:
+        for m in per:
+            med = statistics.median(per[m])
             entry[m] = {
                 # median over rounds of the per-round median batch time
-                "batch_ns_median": statistics.median(per[m]),
+                "batch_ns_median": med,
                 # median over rounds of the per-round mean batch time
                 "batch_ns_mean": statistics.median(means[s][m]),
                 "batch_ns_rounds": per[m],
+                # bytes of one batch (one way) / median batch time
+                "bandwidth_Bps": s * args.frames / (med / 1e9),
                 # client process CPU time per batch round trip (getrusage)
                 "cpu_user_ns": statistics.median(c[0] for c in cpu[s][m]),
                 "cpu_sys_ns": statistics.median(c[1] for c in cpu[s][m]),
             }
-        gm = means[s]["gather"]
-        entry["speedup_vs_sequential_mean"] = statistics.median(
-            [a / b for a, b in zip(means[s]["sequential"], gm)])
-        entry["speedup_vs_asyncio_mean"] = statistics.median(
-            [a / b for a, b in zip(means[s]["asyncio"], gm)])
-        entry["speedup_vs_sequential"] = statistics.median(
-            [a / b for a, b in zip(per["sequential"], g)])
-        entry["speedup_vs_asyncio"] = statistics.median(
-            [a / b for a, b in zip(per["asyncio"], g)])
-        entry["speedup_vs_sequential_range"] = [
-            min(a / b for a, b in zip(per["sequential"], g)),
-            max(a / b for a, b in zip(per["sequential"], g))]
-        entry["speedup_vs_asyncio_range"] = [
-            min(a / b for a, b in zip(per["asyncio"], g)),
-            max(a / b for a, b in zip(per["asyncio"], g))]
+        for other in ("sequential", "asyncio", "single"):
+            got = _ratio(per, means[s], other)
+            if got is None:
+                continue
+            entry[f"speedup_vs_{other}"] = got[0]
+            entry[f"speedup_vs_{other}_range"] = got[1]
+            entry[f"speedup_vs_{other}_mean"] = got[2]
         out["sizes"][str(s)] = entry
     return out
 
 
+# ------------------------------------------------------------------ ucx_perftest
+def perftest_binary() -> tuple[Path, dict]:
+    import libucx
+
+    root = Path(libucx.__file__).resolve().parent
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = str(root / "lib") + (
+        ":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    return root / "bin" / "ucx_perftest", env
+
+
+def run_perftest(size_arg: str, layout: str, iters: int, warmup: int, cpus,
+                 port: int = 13377) -> float:
+    """Bandwidth (bytes/s, one way) of ``ucx_perftest -t tag_bw`` between
+    two processes on the loopback; ``size_arg`` is perftest's ``-s``."""
+    binary, env = perftest_binary()
+    server_cpu, client_cpu = _parse_cpus(cpus)
+    common = ["-t", "tag_bw", "-s", size_arg, "-n", str(iters), "-w", str(warmup),
+              "-D", f"{layout},{layout}", "-p", str(port), "-f"]
+    scmd = [str(binary), *common] + (["-c", str(server_cpu)] if server_cpu is not None else [])
+    ccmd = [str(binary), "127.0.0.1", *common] + (
+        ["-c", str(client_cpu)] if client_cpu is not None else [])
+    server = subprocess.Popen(scmd, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            proc = subprocess.run(ccmd, env=env, capture_output=True, text=True, timeout=300)
+            if proc.returncode == 0 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    finally:
+        try:
+            server.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+    if proc.returncode != 0:
+        raise PyBenchError(f"ucx_perftest failed: {proc.stderr.strip()[-300:]}")
+    # -f prints one row: iterations, latency typical / average / overall,
+    # bandwidth average / overall (MB/s, 2**20 bytes), message rate average
+    # / overall.
+    rows = [ln.split() for ln in proc.stdout.splitlines()
+            if len(ln.split()) == 8 and ln.split()[0].isdigit()]
+    if not rows:
+        raise PyBenchError(f"ucx_perftest: no result row in {proc.stdout[-300:]!r}")
+    return float(rows[-1][5]) * 1024 * 1024
+
+
+def perftest_rounds(args) -> dict:
+    out = {}
+    for s in args.sizes:
+        total = s * args.frames
+        runs = {"contig": [], "iov": []}
+        for _ in range(args.rounds):
+            runs["contig"].append(run_perftest(str(total), "contig", args.perftest_iters,
+                                               max(2, args.perftest_iters // 10), args.cpus))
+            runs["iov"].append(run_perftest(f"{s}:{args.frames}", "iov", args.perftest_iters,
+                                            max(2, args.perftest_iters // 10), args.cpus))
+        out[str(s)] = {k: {"bandwidth_Bps": statistics.median(v), "rounds": v}
+                       for k, v in runs.items()}
+    return out
+
+
+# ------------------------------------------------------------------ report
 def format_table(res: dict) -> str:
+    methods = [m for m in METHODS if m in res.get("methods", METHODS)]
+    labels = {"gather": "gather", "sequential": "sequential",
+              "asyncio": "asyncio.gather", "single": "one message"}
+    what = ("batch + 1 B ack (round trip)" if res.get("pattern") == "ack"
+            else "batch one way (half the echo round trip)")
     lines = [
         f"{res['frames']} frames per batch, {res['rounds']} rounds x {res['iters']} batches, "
         f"mode={res['mode']} spin_us={res['spin_us']} UCX_TLS={res['tls']} cpus={res['cpus']}",
-        "one-way time of one batch, median (mean in brackets), us",
-        f"{'frame':>7} {'gather':>16} {'sequential':>16} {'asyncio.gather':>16} "
-        f"{'one message':>16} {'seq/gather':>11} {'asyncio/gather':>15}",
+        f"time of one {what}, median (mean in brackets), us; bandwidth of the batch",
+        f"{'frame':>7} " + " ".join(f"{labels[m]:>24}" for m in methods)
+        + "  speed-up of gather vs: " + ", ".join(labels[m] for m in methods if m != "gather"),
     ]
     for s, e in res["sizes"].items():
-        cells = [f"{e[m]['batch_ns_median'] / 1e3:.1f} ({e[m]['batch_ns_mean'] / 1e3:.1f})"
-                 for m in METHODS]
-        lines.append(
-            f"{_size_label(int(s)):>7} {cells[0]:>16} {cells[1]:>16} {cells[2]:>16} "
-            f"{cells[3]:>16} "
-            f"{e['speedup_vs_sequential']:>10.2f}x {e['speedup_vs_asyncio']:>14.2f}x")
-    lines.append("client CPU per batch round trip, user + system (getrusage), us")
+        cells = [f"{e[m]['batch_ns_median'] / 1e3:.1f} ({e[m]['batch_ns_mean'] / 1e3:.1f}) "
+                 f"{e[m]['bandwidth_Bps'] / 1e6:.0f}MB/s" for m in methods]
+        ups = [f"{e['speedup_vs_' + m]:.2f}x" for m in methods
+               if m != "gather" and "speedup_vs_" + m in e]
+        lines.append(f"{_size_label(int(s)):>7} " + " ".join(f"{c:>24}" for c in cells)
+                     + "  " + ", ".join(ups))
+    lines.append("client CPU per batch, user + system (getrusage), us")
     for s, e in res["sizes"].items():
         lines.append(f"{_size_label(int(s)):>7} " + " ".join(
             f"{m}: {e[m]['cpu_user_ns'] / 1e3:.0f} + {e[m]['cpu_sys_ns'] / 1e3:.0f}"
-            for m in METHODS))
+            for m in methods))
+    perf = res.get("perftest")
+    if perf:
+        lines.append("ucx_perftest -t tag_bw, same transports, one message of the batch "
+                     "(contig) / one IOV message of the frames (iov):")
+        for s, p in perf.items():
+            g = res["sizes"][s].get("gather")
+            ratio = (f"; gather / contig {g['bandwidth_Bps'] / p['contig']['bandwidth_Bps']:.2f}x"
+                     if g else "")
+            lines.append(f"{_size_label(int(s)):>7} contig {p['contig']['bandwidth_Bps'] / 1e6:.0f}"
+                         f" MB/s, iov {p['iov']['bandwidth_Bps'] / 1e6:.0f} MB/s{ratio}")
     return "\n".join(lines)
 
 
@@ -300,20 +419,39 @@ def _main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("-i", "--iters", type=int, default=300, help="batches per method per round")
     p.add_argument("-w", "--warmup", type=int, default=30)
-    p.add_argument("-m", "--mode", choices=("blocking", "polling"), default="blocking")
-    p.add_argument("--spin-us", type=float, default=0.0)
+    p.add_argument("-m", "--mode", default="blocking",
+                   help="blocking, polling, or a list: blocking,polling")
+    p.add_argument("--spin-us", type=float, default=None,
+                   help="await spin budget (default: the mode's default)")
+    p.add_argument("--pattern", choices=("echo", "ack"), default="echo",
+                   help="the server echoes the batch, or answers a 1-byte ack")
+    p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--tls", default="tcp", help="UCX_TLS or 'shm' (default tcp)")
     p.add_argument("--cpus", default=None, help="pin: CPU or SERVER_CPU,CLIENT_CPU")
     p.add_argument("--net-devices", default=NET_DEVICES,
                    help="UCX_NET_DEVICES (default lo; '' leaves the environment alone)")
+    p.add_argument("--perftest", action="store_true",
+                   help="also run ucx_perftest -t tag_bw for the batch total (contig and iov)")
+    p.add_argument("--perftest-iters", type=int, default=50)
     p.add_argument("-c", "--check", action="store_true", help="verify echoed frames")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per measurement")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a list "
+                   "for several modes)")
     p.add_argument("--role", choices=("client", "server"), default="client",
                    help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.sizes = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    args.methods = [m for m in args.methods.split(",") if m]
+    for m in args.methods:
+        if m not in METHODS:
+            raise ValueError(f"unknown method {m!r} (one of {', '.join(METHODS)})")
+    if "gather" not in args.methods:
+        args.methods.insert(0, "gather")
+    modes = [m for m in args.mode.split(",") if m]
+    for m in modes:
+        if m not in ("blocking", "polling"):
+            raise ValueError(f"unknown mode {m!r}")
     os.environ.update(ucx_env(args.tls))
     if args.net_devices:
         os.environ["UCX_NET_DEVICES"] = args.net_devices
@@ -324,18 +462,27 @@ def _main(argv=None) -> int:
         _pin(server_cpu)
         return asyncio.run(_server(args))
 
-    cmd = server_cmd(__file__, [a for a in (argv if argv is not None else sys.argv[1:])
-                                if a != "--json"])
-    with server_process(cmd) as server:
-        _pin(client_cpu)
-        port = _read_port(server)
-        res = asyncio.run(_client(args, port))
-        if args.json:
-            print(json.dumps(res), flush=True)
-        else:
-            print(format_table(res), flush=True)
-        wait_server(server)
-        return 0
+    raw = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
+    results = []
+    for mode in modes:
+        args.mode = mode
+        cmd = server_cmd(__file__, raw + ["--mode", mode])
+        with server_process(cmd) as server:
+            _pin(client_cpu)
+            port = _read_port(server)
+            res = asyncio.run(_client(args, port))
+            wait_server(server)
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        results.append(res)
+    if args.perftest:
+        perf = perftest_rounds(args)
+        for res in results:
+            res["perftest"] = perf
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results), flush=True)
+    else:
+        print("\n\n".join(format_table(r) for r in results), flush=True)
+    return 0
 
 
 if __name__ == "__main__":

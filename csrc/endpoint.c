@@ -485,28 +485,75 @@ Endpoint_stream_recv(EndpointObject *ep, PyObject *buf)
     return ucxx_request_post_stream(ep, buf, 1);
 }
 
+/* gather_send(buffers, tag=None, force_tag=False, header=None) and
+ * gather_recv(buffers, tag=None, force_tag=False): `header` is taken out
+ * of the keywords, the rest parsed as for send/recv. */
 static PyObject *
 gather(EndpointObject *ep, PyObject *const *args, size_t nargsf,
        PyObject *kwnames, int recv)
 {
-    PyObject *bufs;
+    PyObject *bufs, *header = NULL, *argv[8], *kw = NULL, *res = NULL;
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw, n = 0;
     ucp_tag_t tag;
 
-    if (parse_msg_args(args, PyVectorcall_NARGS(nargsf), kwnames,
+    nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    if (!recv && nkw > 0) {
+        if (nargs + nkw > (Py_ssize_t)(sizeof(argv) / sizeof(argv[0]))) {
+            PyErr_SetString(PyExc_TypeError,
+                            "gather_send() takes at most 4 arguments");
+            return NULL;
+        }
+        kw = PyList_New(0);
+        if (kw == NULL) {
+            return NULL;
+        }
+        for (n = 0; n < nargs; n++) {
+            argv[n] = args[n];
+        }
+        for (Py_ssize_t i = 0; i < nkw; i++) {
+            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+
+            if (PyUnicode_CompareWithASCIIString(k, "header") == 0) {
+                header = args[nargs + i];
+            } else if (PyList_Append(kw, k) < 0) {
+                goto out;
+            } else {
+                argv[n++] = args[nargs + i];
+            }
+        }
+        Py_SETREF(kw, PyList_AsTuple(kw));
+        if (kw == NULL) {
+            goto out;
+        }
+        args = argv;
+        kwnames = PyTuple_GET_SIZE(kw) > 0 ? kw : NULL;
+        if (header == Py_None) {
+            header = NULL;
+        }
+    }
+    if (parse_msg_args(args, nargs, kwnames,
                        recv ? "gather_recv" : "gather_send",
                        recv ? ep->recv_tag : ep->send_tag, 1, &bufs,
                        &tag) < 0) {
-        return NULL;
+        goto out;
     }
     if ((recv ? endpoint_check_recv(ep) : endpoint_check_send(ep)) < 0) {
-        return NULL;
+        goto out;
     }
-    return ucxx_gather(ep, bufs, tag, recv);
+    res = ucxx_gather(ep, bufs, header, tag, recv);
+out:
+    Py_XDECREF(kw);
+    return res;
 }
 
 PyDoc_STRVAR(Endpoint_gather_send_doc,
-"gather_send($self, buffers, tag=None, force_tag=False)\n--\n\n"
-"One tagged send per buffer, posted in order in one call; one Request.");
+"gather_send($self, buffers, tag=None, force_tag=False, header=None)\n"
+"--\n\n"
+"Send the buffers as one operation: consecutive small host buffers go as\n"
+"one IOV message, large and device buffers as messages of their own\n"
+"(gather_runs), all posted in order in one call; one Request.  The\n"
+"buffers of `header`, if given, are sent first, each as a message of its\n"
+"own (received with recv), in the same call.");
 
 static PyObject *
 Endpoint_gather_send(EndpointObject *ep, PyObject *const *args, size_t nargsf,
@@ -517,14 +564,33 @@ Endpoint_gather_send(EndpointObject *ep, PyObject *const *args, size_t nargsf,
 
 PyDoc_STRVAR(Endpoint_gather_recv_doc,
 "gather_recv($self, buffers, tag=None, force_tag=False)\n--\n\n"
-"One tagged receive per buffer, posted in order in one call; a size\n"
-"mismatch raises UCXMessageTruncatedError (first error wins).");
+"Receive what gather_send sent from buffers of the same sizes and memory\n"
+"types, scattered into these buffers; one Request.  A message whose length\n"
+"is not that of its buffers raises UCXMessageTruncatedError naming both.");
 
 static PyObject *
 Endpoint_gather_recv(EndpointObject *ep, PyObject *const *args, size_t nargsf,
                      PyObject *kwnames)
 {
     return gather(ep, args, nargsf, kwnames, 1);
+}
+
+PyDoc_STRVAR(Endpoint_gather_runs_doc,
+"gather_runs(buffers, /)\n--\n\n"
+"The messages a gather of these buffers is made of, as (first frame,\n"
+"frame count, bytes, is IOV) tuples: both sides derive them from the\n"
+"sizes and memory types alone.");
+
+static PyObject *
+Endpoint_gather_runs(PyObject *cls, PyObject *bufs)
+{
+    PyObject *mod = PyType_GetModuleByDef((PyTypeObject *)cls,
+                                          &ucxx_module_def);
+
+    if (mod == NULL) {
+        return NULL;
+    }
+    return ucxx_gather_runs(PyModule_GetState(mod), bufs);
 }
 
 PyDoc_STRVAR(Endpoint_am_send_doc,
@@ -821,6 +887,8 @@ static PyMethodDef Endpoint_methods[] = {
      Endpoint_stream_recv_doc},
     {"gather_send", FASTKW(Endpoint_gather_send), Endpoint_gather_send_doc},
     {"gather_recv", FASTKW(Endpoint_gather_recv), Endpoint_gather_recv_doc},
+    {"gather_runs", (PyCFunction)Endpoint_gather_runs, METH_O | METH_CLASS,
+     Endpoint_gather_runs_doc},
     {"am_send", (PyCFunction)Endpoint_am_send, METH_O, Endpoint_am_send_doc},
     {"am_recv", (PyCFunction)Endpoint_am_recv, METH_NOARGS,
      Endpoint_am_recv_doc},

@@ -362,20 +362,18 @@ ucxx_slice_yield(WorkerObject *w)
  * have delayed them: shrink.
  */
 void
-ucxx_spin_feedback(RequestObject *r)
+ucxx_spin_adapt(WorkerObject *w, double block_us, int busy)
 {
-    WorkerObject *w = r->worker;
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
-    double block = ucxx_now_us() - r->wait_start, b = w->spin_us;
+    double b = w->spin_us;
 
-    if (block <= b) {
+    if (block_us <= b) {
         return;
     }
     if (w->spin_backoff > 0) {
         w->spin_backoff--;
         return;
     }
-    if (block <= UCXX_SPIN_CAP_US && st->ucx_calls == r->sleep_calls) {
+    if (block_us <= UCXX_SPIN_CAP_US && !busy) {
         if (b < UCXX_SPIN_CAP_US) {
             b = b * 2 < UCXX_SPIN_GROW_US ? UCXX_SPIN_GROW_US : b * 2;
             w->spin_us = b > UCXX_SPIN_CAP_US ? UCXX_SPIN_CAP_US : b;
@@ -387,11 +385,20 @@ ucxx_spin_feedback(RequestObject *r)
     }
 }
 
+void
+ucxx_spin_feedback(RequestObject *r)
+{
+    ucxx_state *st = ucxx_state_of((PyObject *)r);
+
+    ucxx_spin_adapt(r->worker, ucxx_now_us() - r->wait_start,
+                    st->ucx_calls != r->sleep_calls);
+}
+
 /* An auto spin expired with nothing.  While most spins do (the machine is
  * oversubscribed: the peer's reply waits for a CPU, which spinning only
  * keeps busy), stop spinning for UCXX_SPIN_BACKOFF sleeps. */
-static void
-spin_missed(WorkerObject *w)
+void
+ucxx_spin_missed(WorkerObject *w)
 {
     w->spin_hit_rate -= w->spin_hit_rate / 8;
     if (w->spin_hit_rate < 0.5) {
@@ -521,7 +528,7 @@ ucxx_spin(RequestObject *r)
         w->spin_hit_rate += (1.0 - w->spin_hit_rate) / 8;
     } else if (rc == UCXX_SPIN_SLEEP && w->wakeups == wakeups &&
                w->spin_auto) {
-        spin_missed(w);
+        ucxx_spin_missed(w);
     }
     return rc;
 }

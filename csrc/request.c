@@ -41,11 +41,17 @@ ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
     r->op1.req = r;
     r->op1.ucp_req = NULL;
     r->op1.expected = 0;
+    r->op1.got = 0;
+    r->op1.first = 0;
+    r->op1.nframes = 1;
     r->ops = &r->op1;
     r->buf1.view.obj = NULL;
     r->buf1.owner = NULL;
     r->bufs = &r->buf1;
     r->nbufs = 0;
+    r->iov = NULL;
+    r->bad_op = -1;
+    r->nconsumed = 0;
     r->result = NULL;
     r->future = NULL;
     r->wait_start = 0.0;
@@ -66,8 +72,8 @@ record_error(RequestObject *r, ucs_status_t status)
 }
 
 /* One operation completed inside UCX (no GIL needed: C fields only). */
-static void
-op_complete(ucxx_op *op, ucs_status_t status)
+void
+ucxx_request_op_complete(ucxx_op *op, ucs_status_t status)
 {
     RequestObject *r = op->req;
 
@@ -82,7 +88,7 @@ void
 ucxx_send_cb(void *request, ucs_status_t status, void *user_data)
 {
     ucp_request_free(request);
-    op_complete((ucxx_op *)user_data, status);
+    ucxx_request_op_complete((ucxx_op *)user_data, status);
 }
 
 void
@@ -95,11 +101,8 @@ ucxx_recv_cb(void *request, ucs_status_t status,
     ucp_request_free(request);
     if (status == UCS_OK) {
         r->length = info->length;
-        if (r->kind == UCXX_REQ_GATHER_RECV && info->length != op->expected) {
-            status = UCS_ERR_MESSAGE_TRUNCATED;
-        }
     }
-    op_complete(op, status);
+    ucxx_request_op_complete(op, status);
 }
 
 void
@@ -112,7 +115,7 @@ ucxx_stream_recv_cb(void *request, ucs_status_t status, size_t length,
     if (status == UCS_OK) {
         op->req->length = length;
     }
-    op_complete(op, status);
+    ucxx_request_op_complete(op, status);
 }
 
 /*
@@ -218,6 +221,10 @@ ucxx_request_result(RequestObject *r)
         return NULL;
     }
     st = ucxx_state_of((PyObject *)r);
+    if (r->kind == UCXX_REQ_GATHER_RECV &&
+        status == UCS_ERR_MESSAGE_TRUNCATED && r->bad_op >= 0) {
+        return ucxx_gather_raise_mismatch(st, r);
+    }
     if (status == UCS_INPROGRESS) {
         PyErr_SetString(st->InvalidStateError, "request is not done");
         return NULL;
@@ -242,10 +249,8 @@ request_settle(RequestObject *r, ucs_status_t status)
     PyObject *fut = r->future, *res;
 
     r->status = status;
-    if (status != UCS_OK && r->endpoint != NULL &&
-        (r->kind == UCXX_REQ_GATHER_RECV || r->kind == UCXX_REQ_GATHER_SEND)) {
-        /* Later frames would land in the wrong buffers: stop the stream. */
-        r->endpoint->poisoned = 1;
+    if (r->kind == UCXX_REQ_GATHER_RECV || r->kind == UCXX_REQ_GATHER_SEND) {
+        ucxx_gather_settled(r, status);
     }
     if (fut != NULL) {
         ucxx_state *st = ucxx_state_of((PyObject *)r);
@@ -303,6 +308,13 @@ ucxx_request_dispatch(RequestObject *r)
             ucxx_list_del(&r->wlink);
             request_drop_self(r);
         }
+        return;
+    }
+    if (r->npending > 0) {
+        /* Queued early by a gather receive whose run failed: the runs UCX
+         * still holds can only land in the wrong place, cancel them (their
+         * completions queue r again). */
+        ucxx_request_cancel_ucx(r, UCS_ERR_CANCELED);
         return;
     }
     if (r->kind == UCXX_REQ_CLOSE) {
@@ -741,6 +753,7 @@ Request_dealloc(RequestObject *r)
     if (r->ops != &r->op1) {
         PyMem_Free(r->ops);
     }
+    PyMem_Free(r->iov);
     ucxx_list_del(&r->wlink);
     ucxx_list_del(&r->elink);
     Request_clear(r);

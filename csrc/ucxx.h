@@ -246,12 +246,33 @@ struct WorkerObject {
     PyObject *weakreflist;
 };
 
-/* One UCX operation inside a Request (a Request has 1, or N for gathers). */
+/* One UCX operation inside a Request (a Request has 1; a gather has one
+ * per run of frames, see gather.c). */
 typedef struct {
     RequestObject *req;          /* borrowed: the owning request */
     void *ucp_req;               /* native while pending; freed in callback */
-    size_t expected;             /* buffer length (receives) */
+    size_t expected;             /* buffer length (receives); a gather run:
+                                    the bytes of its frames */
+    size_t got;                  /* gather receive: length of the message
+                                    that did not match (SIZE_MAX: longer,
+                                    by an unknown amount) */
+    Py_ssize_t first;            /* gather: first frame (index in bufs) */
+    Py_ssize_t nframes;          /* gather: frames in this run */
 } ucxx_op;
+
+/* Gather runs (gather.c): host frames below UCXX_GATHER_ALONE bytes are
+ * packed into IOV messages of at most UCXX_GATHER_RUN_BYTES bytes and
+ * UCXX_GATHER_RUN_FRAMES frames.  Part of the wire format: both sides must
+ * agree (docs/PROTOCOL.md). */
+#ifndef UCXX_GATHER_ALONE
+#define UCXX_GATHER_ALONE (256 * 1024)
+#endif
+#ifndef UCXX_GATHER_RUN_BYTES
+#define UCXX_GATHER_RUN_BYTES (1024 * 1024)
+#endif
+#ifndef UCXX_GATHER_RUN_FRAMES
+#define UCXX_GATHER_RUN_FRAMES 1024
+#endif
 
 enum {
     UCXX_REQ_SEND = 0,
@@ -288,6 +309,13 @@ struct RequestObject {
     ucxx_buf buf1;
     ucxx_buf *bufs;              /* buf1 or PyMem array (gathers) */
     Py_ssize_t nbufs;            /* buffers to release on completion */
+    ucp_dt_iov_t *iov;           /* PyMem, gathers with an IOV run (UCX
+                                    reads it until the run completes), or
+                                    NULL; freed in dealloc */
+    Py_ssize_t bad_op;           /* gather receive: the run whose message
+                                    length did not match, or -1 */
+    Py_ssize_t nconsumed;        /* gather receive: runs that took a message
+                                    off the stream (not cancelled) */
     PyObject *result;            /* strong: am_recv result object */
     PyObject *future;            /* strong: asyncio future, on first await */
     double wait_start;           /* ucxx_now_us() when its await began to
@@ -414,6 +442,8 @@ int ucxx_spin(RequestObject *r);
 int ucxx_slice_spent(WorkerObject *w);
 PyObject *ucxx_slice_yield(WorkerObject *w);
 void ucxx_spin_feedback(RequestObject *r);
+void ucxx_spin_adapt(WorkerObject *w, double block_us, int busy);
+void ucxx_spin_missed(WorkerObject *w);
 
 /* loop.c: attachment to an event loop */
 int ucxx_worker_attach(WorkerObject *w, PyObject *loop);
@@ -478,6 +508,7 @@ RequestObject *ucxx_request_with_buffer(WorkerObject *w, EndpointObject *ep,
 void ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep);
 void ucxx_request_cancel_for_endpoint(RequestObject *r, ucs_status_t report);
 int ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp);
+void ucxx_request_op_complete(ucxx_op *op, ucs_status_t status);
 void ucxx_request_finish_posting(RequestObject *r);
 void ucxx_request_dispatch(RequestObject *r);
 void ucxx_request_complete_now(RequestObject *r, ucs_status_t status);
@@ -504,8 +535,11 @@ void ucxx_endpoint_abort_now(EndpointObject *ep, ucs_status_t report);
 void ucxx_endpoint_flushed(EndpointObject *ep);
 
 /* gather.c */
-PyObject *ucxx_gather(EndpointObject *ep, PyObject *bufs, ucp_tag_t tag,
-                      int recv);
+PyObject *ucxx_gather(EndpointObject *ep, PyObject *bufs, PyObject *header,
+                      ucp_tag_t tag, int recv);
+void ucxx_gather_settled(RequestObject *r, ucs_status_t status);
+PyObject *ucxx_gather_raise_mismatch(ucxx_state *st, RequestObject *r);
+PyObject *ucxx_gather_runs(ucxx_state *st, PyObject *bufs);
 
 /* am.c */
 int ucxx_am_setup(WorkerObject *w);

@@ -733,6 +733,29 @@ Worker_register_am_allocator(WorkerObject *w, PyObject *const *args,
     Py_RETURN_NONE;
 }
 
+/* The spin policy's two inputs, for its tests: a sleeping request that
+ * completed block_us after its await began (busy: other UCX calls were
+ * made meanwhile), and an auto spin that expired with nothing. */
+static PyObject *
+Worker_spin_adapt(WorkerObject *w, PyObject *args)
+{
+    double block;
+    int busy = 0;
+
+    if (!PyArg_ParseTuple(args, "d|p:_spin_adapt", &block, &busy)) {
+        return NULL;
+    }
+    ucxx_spin_adapt(w, block, busy);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Worker_spin_missed(WorkerObject *w, PyObject *unused)
+{
+    ucxx_spin_missed(w);
+    Py_RETURN_NONE;
+}
+
 /* ---- getters ------------------------------------------------------------ */
 
 static PyObject *
@@ -947,6 +970,12 @@ static PyMethodDef Worker_methods[] = {
      Worker_register_am_allocator_doc},
     {"_on_efd", (PyCFunction)ucxx_worker_on_efd, METH_NOARGS,
      "_on_efd($self, /)\n--\n\nEvent-fd reader: drain, then re-arm."},
+    {"_spin_adapt", (PyCFunction)Worker_spin_adapt, METH_VARARGS,
+     "_spin_adapt($self, block_us, busy=False, /)\n--\n\n"
+     "Feed the auto spin policy a sleeping request's completion (tests)."},
+    {"_spin_missed", (PyCFunction)Worker_spin_missed, METH_NOARGS,
+     "_spin_missed($self, /)\n--\n\n"
+     "Feed the auto spin policy an expired spin (tests)."},
     {"_rearm", (PyCFunction)ucxx_worker_rearm, METH_NOARGS,
      "_rearm($self, /)\n--\n\nScheduled after a UCX call on an armed "
      "worker."},

@@ -252,6 +252,17 @@ async def _post_in_callback(loop, post):
     return await fut
 
 
+def _burst(seed: int, sender: int, k: int, i: int, nmsgs: int):
+    """Whether message i of stream k starts a burst, and if so (stop,
+    gathered). Both sides draw it from the same seed: a gather is one
+    operation on the wire (its small frames one IOV message), so sender and
+    receiver must agree on which messages make a gather."""
+    r = random.Random((seed * 1000003 + sender * 9176 + k) * 1000003 + i)
+    if r.random() >= 0.15:
+        return None
+    return min(nmsgs, i + r.randint(2, 8)), r.random() < 0.5
+
+
 async def stress(w, ep, me: int, peer: int, seed: int, nstreams: int, nmsgs: int,
                  sizes=STRESS_SIZES, timeout: float = 60.0) -> dict:
     """Randomised traffic: ``nstreams`` sender tasks and ``nstreams``
@@ -270,12 +281,13 @@ async def stress(w, ep, me: int, peer: int, seed: int, nstreams: int, nmsgs: int
         i = 0
         while i < nmsgs:
             p = rng.random()
-            if p < 0.15:
-                stop = min(nmsgs, i + rng.randint(2, 8))
+            burst = _burst(seed, me, k, i, nmsgs)
+            if burst is not None:
+                stop, gathered = burst
                 bufs = [payload(me, k, j, sz[j]) for j in range(i, stop)]
-                if rng.random() < 0.5:
-                    # the same messages from one C call (one tagged send
-                    # per frame), sometimes posted while the worker is armed
+                if gathered:
+                    # one operation from one C call, sometimes posted while
+                    # the worker is armed
                     if rng.random() < 0.5:
                         await _wait_armed(w)
                         stats["armed_posts"] += w.armed
@@ -328,11 +340,11 @@ async def stress(w, ep, me: int, peer: int, seed: int, nstreams: int, nmsgs: int
 
         while i < nmsgs:
             p = rng.random()
-            if p < 0.15:
-                stop = min(nmsgs, i + rng.randint(2, 8))
-                if rng.random() < 0.5:
-                    # one gather_recv for the burst (its frames may come from
-                    # a gather or from single sends: the wire is the same)
+            burst = _burst(seed, peer, k, i, nmsgs)
+            if burst is not None:
+                stop, gathered = burst
+                if gathered:
+                    # one gather_recv for the sender's gather_send
                     if rng.random() < 0.5:
                         await _wait_armed(w)
                         stats["armed_posts"] += w.armed

@@ -119,33 +119,40 @@ def test_entry_point():
 
 @T(30)
 def test_header_roundtrip():
+    """The comm's headers are the package's one multi-frame format
+    (ucxx._lib_async.frames), with CLOSE / HELLO in its application flags."""
+    from ucxx._lib_async import frames
+
     for n in (0, 1, ud.INLINE, ud.INLINE + 1, 1000):
         sizes = [i * 7 for i in range(n)]
         kinds = [i % 2 for i in range(n)]
-        msgs = ud.pack_header(sizes, kinds)
-        assert len(msgs[0]) == ud.HEADER_SIZE
+        msgs = ud.pack_header(sizes, kinds, ud.FLAG_HELLO)
+        assert len(msgs[0]) <= ud.HEADER_SIZE
         flags, nframes = ud.unpack_header(msgs[0])
-        assert nframes == n
+        assert (flags, nframes) == (ud.FLAG_HELLO, n)
         if n > ud.INLINE:
-            assert flags == ud.FLAG_TABLE and len(msgs) == 2
+            assert len(msgs) == 2 and len(msgs[0]) == frames.PREFIX_SIZE
             assert len(msgs[1]) == 9 * n
-            got = ud._table_sizes_kinds(msgs[1], n)
+            table = msgs[1]
         else:
-            assert flags == 0 and len(msgs) == 1
-            got = ud._inline_sizes_kinds(msgs[0], n)
+            assert len(msgs) == 1
+            table = msgs[0][frames.PREFIX_SIZE:]
+        got = frames.decode_table(table, n, sum(sizes))
         assert list(got[0]) == sizes and list(got[1]) == kinds
     assert ud.unpack_header(ud._CLOSE_HEADER) == (ud.FLAG_CLOSE, 0)
     bad = bytearray(ud._CLOSE_HEADER)
     bad[0:2] = b"xx"
-    with pytest.raises(ValueError, match="magic"):
+    with pytest.raises(ucxx.UCXError, match="magic"):
         ud.unpack_header(bad)
     bad = bytearray(ud._CLOSE_HEADER)
-    bad[2] = 9
-    with pytest.raises(ValueError, match="version"):
+    bad[4] = 9
+    with pytest.raises(ucxx.UCXError, match="version"):
         ud.unpack_header(bad)
-    with pytest.raises(ValueError, match="limit"):
+    with pytest.raises(ucxx.UCXError, match="limit"):
         ud.unpack_header(ud.pack_header([1] * 20, [0] * 20)[0], max_frames=10)
-    with pytest.raises(ValueError):
+    with pytest.raises(ucxx.UCXError, match="CLOSE header with frames"):
+        ud.unpack_header(ud.pack_header([1], [0], ud.FLAG_CLOSE)[0])
+    with pytest.raises(ucxx.UCXError):
         ud.unpack_header(b"short")
 
 
@@ -738,12 +745,14 @@ async def test_cancelled_read_aborts_comm():
 async def test_device_frame_without_allocator(monkeypatch):
     """A header announcing a CUDA frame, in a process without rmm/cupy/numba,
     gives a clear error (and aborts the comm) instead of corrupting the stream."""
-    monkeypatch.setattr(ud, "_device_alloc", None)
+    from ucxx._lib_async import frames
+
+    monkeypatch.setattr(frames, "_device", None)
     for mod in ("rmm", "cupy", "numba", "numba.cuda"):
         monkeypatch.setitem(sys.modules, mod, None)
     a, b = await get_comm_pair(ADDR)
     hdr = ud.pack_header([8], [ud.KIND_CUDA])
-    await a._ep.gather_send(hdr + [b"12345678"])
+    await a._ep.gather_send([b"12345678"], header=hdr)
     with pytest.raises(RuntimeError, match="rmm, cupy or numba"):
         await b.read()
     assert b.closed()

@@ -1,6 +1,7 @@
 """Fuzzing the decoders of peer-controlled bytes.
 
-- ``fuzz/fuzz_multi_header.py`` (recv_multi header and frame table) and
+- ``fuzz/fuzz_frames.py`` (the one multi-frame format's header and frame
+  table, as recv_multi and the Dask comm receive them) and
   ``fuzz/fuzz_handshake.py`` (connection handshake message) run under
   atheris for a bounded number of runs (skipped when atheris is not
   installed);
@@ -32,7 +33,7 @@ from ucxx import _ucxx as U
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FUZZ = os.path.join(ROOT, "fuzz")
-HARNESSES = ["fuzz_multi_header", "fuzz_handshake"]
+HARNESSES = ["fuzz_frames", "fuzz_handshake"]
 ATHERIS_RUNS = int(os.environ.get("UCXX_FUZZ_RUNS", "200000"))
 ATHERIS_MAX_S = int(os.environ.get("UCXX_FUZZ_MAX_S", "20"))
 MUTATIONS = int(os.environ.get("UCXX_FUZZ_MUTATIONS", "20000"))
@@ -151,7 +152,7 @@ async def test_live_recv_multi_agrees_with_decoder(pair):
     raises UCXError exactly when the pure decoder does, and otherwise
     returns frames of the decoded sizes. Each case uses its own tag, so
     leftovers of a rejected case cannot reach the next."""
-    h = load("fuzz_multi_header")
+    h = load("fuzz_frames")
     ep, sep = pair
     max_frames, max_bytes = 16, 1 << 20
     sep.recv_multi_max_frames, sep.recv_multi_max_bytes = max_frames, max_bytes
@@ -162,7 +163,7 @@ async def test_live_recv_multi_agrees_with_decoder(pair):
         # a well-formed header for random frames, sometimes with one byte of
         # its table (or prefix) changed
         sizes = [rng.choice([0, 1, 7, 100, 4096, 70000]) for _ in range(rng.randint(0, 20))]
-        msgs = h.multi.encode_header(sizes, [0] * len(sizes))
+        msgs = h.frames.encode_header(sizes, [0] * len(sizes))
         data = h.join(msgs[0], msgs[1] if len(msgs) > 1 else b"")
         if rng.random() < 0.5:
             b = bytearray(data)
@@ -177,7 +178,7 @@ async def test_live_recv_multi_agrees_with_decoder(pair):
             continue
         _mf, _mb, msg1, msg2 = parts
         try:
-            sizes, memtypes = h.decode(max_frames, max_bytes, msg1, msg2)
+            _app, sizes, memtypes, _read = h.decode(max_frames, max_bytes, msg1, msg2)
             expect = "frames"
         except ucxx.UCXError as e:
             expect = type(e)
@@ -186,9 +187,9 @@ async def test_live_recv_multi_agrees_with_decoder(pair):
         tag = 0x5000 + case
         r = asyncio.ensure_future(sep.recv_multi(tag=tag, force_tag=True))
         await ep.send(msg1, tag=tag, force_tag=True)
-        if h.table_follows(msg1) and len(msg1) == h.multi.PREFIX_SIZE:
+        if h.table_follows(msg1):
             try:
-                h.multi.decode_prefix(msg1, max_frames, max_bytes)
+                h.frames.decode_prefix(msg1, max_frames, max_bytes)
             except ucxx.UCXError:
                 pass
             else:

@@ -242,11 +242,19 @@ class Endpoint:
     def stream_send(self, buf: Buffer) -> Request: ...
     def stream_recv(self, buf: Buffer) -> Request:
         """Receives exactly len(buf) bytes (WAITALL)."""
-    def gather_send(self, buffers: Sequence[Buffer], tag: int | None = None, force_tag: bool = False) -> Request:
-        """One send per buffer, posted in order in one call; one Request."""
+    def gather_send(self, buffers: Sequence[Buffer], tag: int | None = None, force_tag: bool = False,
+                    header: Sequence[Buffer] | None = None) -> Request:
+        """The buffers as one operation: its runs (``gather_runs``), posted
+        in order in one call; ``header`` buffers first, each a message of
+        its own. One Request."""
     def gather_recv(self, buffers: Sequence[Buffer], tag: int | None = None, force_tag: bool = False) -> Request:
-        """One receive per buffer, posted in order; result is None; a size
-        mismatch raises UCXMessageTruncatedError (first error wins)."""
+        """Receive a gather_send of buffers of these sizes and memory types,
+        scattered into them; result is None. A message whose length is not
+        its run's raises UCXMessageTruncatedError naming both sizes."""
+    @classmethod
+    def gather_runs(cls, buffers: Sequence[Buffer], /) -> list[tuple[int, int, int, bool]]:
+        """(first frame, frame count, bytes, is IOV) of each message a gather
+        of ``buffers`` is made of; both sides derive the same list."""
     def am_send(self, buf: Buffer) -> Request: ...
     def am_recv(self) -> Request:
         """Next active message from this endpoint (queued until received)."""

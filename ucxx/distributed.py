@@ -6,32 +6,18 @@ ucxx.distributed:UCXXBackend``), so ``LocalCluster(protocol="ucxx")``,
 ``dask scheduler --protocol ucxx`` and ``Client("ucxx://host:port")`` work
 without importing anything. See ``docs/DASK.md``.
 
-Wire format (all integers little endian), per dask message:
+Wire format: one dask message is one multi-frame message of the package's
+one format (``ucxx._lib_async.frames``, docs/PROTOCOL.md "Multi-frame
+messages"): a header message (frame count, sizes, host/CUDA kinds, and the
+comm's flags CLOSE and HELLO in its application-flags field), then the
+frames as ONE gathered operation (small host frames travel as one IOV
+message). The writer posts all of it with ONE ``Endpoint.gather_send``
+call; the reader receives the header, allocates every frame (host:
+``host_array``; device: the package's one device helper, rmm, cupy or
+numba, synchronised before UCX writes into it) and receives the frames
+with ONE ``Endpoint.gather_recv`` call.
 
-1. one fixed-size header of ``HEADER_SIZE`` (128) bytes::
-
-       offset size        field
-       0      2           magic   b"dx"
-       2      1           version 1
-       3      1           flags   bit 0 CLOSE, bit 1 TABLE, bit 2 HELLO
-       4      4           nframes uint32
-       8      8*INLINE    frame sizes, uint64 (first min(nframes, INLINE))
-       112    INLINE      frame kinds, uint8: 0 host, 1 CUDA device
-       125    3           zero padding
-
-   ``INLINE`` is 13. When ``nframes > INLINE`` the TABLE flag is set, the
-   inline slots are zero and a second message of ``9 * nframes`` bytes
-   follows (``nframes`` uint64 sizes, then ``nframes`` uint8 kinds).
-2. the frames, one tagged message each (empty frames included).
-
-The writer posts the header, the table (if any) and all frames with ONE
-``Endpoint.gather_send`` call. The reader receives the header (and the
-table), allocates every frame (host: numpy ``uint8``; device: rmm, cupy or
-numba) and receives them all with ONE ``Endpoint.gather_recv`` call. UCX
-keeps the order of messages between two endpoints on one tag, so frame ``i``
-lands in buffer ``i``.
-
-A CLOSE header (``nframes == 0``) is the last message a comm sends: the peer
+A CLOSE header (no frames) is the last message a comm sends: the peer
 reads it as "the writer closed the comm". A HELLO header carrying one frame
 (the connector's local address, UTF-8) is the first message a connector
 sends, so that the listener side knows its peer's address.
@@ -56,7 +42,10 @@ from distributed.comm.core import BaseListener, Comm, CommClosedError, Connector
 from distributed.comm.registry import Backend
 from distributed.comm.utils import ensure_concrete_host, from_frames, to_frames
 from distributed.protocol.utils import host_array
-from distributed.utils import ensure_ip, ensure_memoryview, get_ip, nbytes
+from distributed.utils import ensure_ip, ensure_memoryview, get_ip
+
+from ._lib_async import frames as _frames
+from ._ucxx import Endpoint as _Endpoint
 
 logger = logging.getLogger(__name__)
 
@@ -249,129 +238,44 @@ def _release_idle() -> None:
 
 
 # --------------------------------------------------------------------------
-# Message header
+# Message header: the package's one multi-frame format
 # --------------------------------------------------------------------------
 
-MAGIC = b"dx"
-VERSION = 1
+#: Application flags of the comm, in the header's app-flags field.
 FLAG_CLOSE = 1
-FLAG_TABLE = 2
-FLAG_HELLO = 4
-INLINE = 13
-HEADER_SIZE = 128
-KIND_HOST = 0
-KIND_CUDA = 1
+FLAG_HELLO = 2
+#: The receive buffer of a header: the most a header message can be.
+HEADER_SIZE = _frames.HEADER_MAX
+#: Frames whose table travels inside the header message.
+INLINE = _frames.INLINE_MAX
+KIND_HOST = _frames.MEM_HOST
+KIND_CUDA = _frames.MEM_CUDA
+#: No bound on the bytes a peer announces (a comm allocates what dask
+#: sent); the frame count is bounded by the ``max-frames`` config.
+_MAX_BYTES = (1 << 64) - 1
 
-_PRELUDE = struct.Struct("<2sBBI")
-_SIZES_INLINE = struct.Struct(f"<{INLINE}Q")
-_KINDS_OFFSET = _PRELUDE.size + _SIZES_INLINE.size  # 112
-assert _KINDS_OFFSET + INLINE <= HEADER_SIZE
-
-_CLOSE_HEADER = bytes(_PRELUDE.pack(MAGIC, VERSION, FLAG_CLOSE, 0)).ljust(HEADER_SIZE, b"\0")
+_CLOSE_HEADER = _frames.encode_header([], [], FLAG_CLOSE)[0]
 
 
 def pack_header(sizes: Sequence[int], kinds: Sequence[int], flags: int = 0) -> list[bytes]:
-    """The header message (and the frame table message when there are more
-    than ``INLINE`` frames) describing frames of ``sizes`` and ``kinds``."""
-    n = len(sizes)
-    if n <= INLINE:
-        hdr = bytearray(HEADER_SIZE)
-        _PRELUDE.pack_into(hdr, 0, MAGIC, VERSION, flags, n)
-        struct.pack_into(f"<{n}Q", hdr, _PRELUDE.size, *sizes)
-        hdr[_KINDS_OFFSET : _KINDS_OFFSET + n] = bytes(kinds)
-        return [hdr]
-    hdr = bytearray(HEADER_SIZE)
-    _PRELUDE.pack_into(hdr, 0, MAGIC, VERSION, flags | FLAG_TABLE, n)
-    table = struct.pack(f"<{n}Q", *sizes) + bytes(kinds)
-    return [hdr, table]
+    """The header message (and the frame table message when the table does
+    not fit in it) describing frames of ``sizes`` and ``kinds``."""
+    return _frames.encode_header(sizes, kinds, flags)
 
 
 def unpack_header(hdr, max_frames: int | None = None) -> tuple[int, int]:
-    """Validate a header; returns ``(flags, nframes)``."""
-    if len(hdr) != HEADER_SIZE:
-        raise ValueError(f"ucxx comm header of {len(hdr)} bytes (expected {HEADER_SIZE})")
-    magic, version, flags, n = _PRELUDE.unpack_from(hdr, 0)
-    if magic != MAGIC:
-        raise ValueError(f"ucxx comm header with bad magic {bytes(magic)!r}")
-    if version != VERSION:
-        raise ValueError(
-            f"the peer speaks ucxx comm protocol version {version}, this side {VERSION}"
-        )
-    if max_frames is not None and n > max_frames:
-        raise ValueError(f"ucxx comm header announces {n} frames (limit {max_frames})")
-    if flags & FLAG_CLOSE and n:
-        raise ValueError("ucxx comm CLOSE header with frames")
-    return flags, n
-
-
-def _inline_sizes_kinds(hdr, n: int) -> tuple[tuple[int, ...], bytes]:
-    sizes = struct.unpack_from(f"<{n}Q", hdr, _PRELUDE.size)
-    kinds = bytes(hdr[_KINDS_OFFSET : _KINDS_OFFSET + n])
-    return sizes, kinds
-
-
-def _table_sizes_kinds(table, n: int) -> tuple[tuple[int, ...], bytes]:
-    sizes = struct.unpack_from(f"<{n}Q", table, 0)
-    kinds = bytes(table[8 * n : 9 * n])
-    return sizes, kinds
-
-
-# --------------------------------------------------------------------------
-# Device memory
-# --------------------------------------------------------------------------
-
-_device_alloc: Callable[[int], Any] | None = None
-_device_sync: Callable[[], None] | None = None
-
-
-def _find_device_support() -> tuple[Callable[[int], Any], Callable[[], None]]:
-    """(allocator, default-stream synchronise): allocation from rmm, else
-    cupy, else numba; synchronisation from cupy, else numba."""
-    global _device_alloc, _device_sync
-    if _device_alloc is not None:
-        return _device_alloc, _device_sync
-    allocs: list[Callable[[int], Any]] = []
-    syncs: list[Callable[[], None]] = []
-    try:
-        import rmm
-    except ImportError:
-        pass
-    else:
-        allocs.append(lambda n: rmm.DeviceBuffer(size=n))
-    try:
-        import cupy
-    except ImportError:
-        pass
-    else:
-        allocs.append(lambda n: cupy.empty((n,), dtype="u1"))
-        syncs.append(lambda: cupy.cuda.runtime.deviceSynchronize())
-    try:
-        import numba.cuda
-    except ImportError:
-        pass
-    else:
-        allocs.append(lambda n: numba.cuda.device_array((n,), dtype="u1"))
-        syncs.append(lambda: numba.cuda.default_stream().synchronize())
-    if not allocs:
-        raise RuntimeError(
-            "ucxx comm: the peer sent a CUDA device frame, but no device "
-            "allocator is importable in this process (install rmm, cupy or numba)"
-        )
-    _device_alloc = allocs[0]
-    _device_sync = syncs[0] if syncs else (lambda: None)
-    return _device_alloc, _device_sync
+    """Validate a header message; returns ``(flags, nframes)`` (flags: the
+    comm's CLOSE / HELLO)."""
+    _, app_flags, n, _total = _frames.decode_prefix(
+        hdr, max_frames if max_frames is not None else (1 << 32) - 1, _MAX_BYTES
+    )
+    if app_flags & FLAG_CLOSE and n:
+        raise _frames.UCXError("ucxx comm CLOSE header with frames")
+    return app_flags, n
 
 
 def _is_device(frame) -> bool:
     return hasattr(frame, "__cuda_array_interface__")
-
-
-def _synchronize_device() -> None:
-    try:
-        _, sync = _find_device_support()
-    except RuntimeError:
-        return
-    sync()
 
 
 # --------------------------------------------------------------------------
@@ -465,34 +369,16 @@ class UCXX(Comm):
         return self._send_frames(frames)
 
     def _send_frames(self, frames: list, flags: int = 0) -> int:
-        """Post header (+ table) and frames with one gather_send."""
+        """Post header and frames with one gather_send (the one multi-frame
+        format; device frames are synchronised first)."""
         ep = self._ep
         if ep is None:
             raise CommClosedError(f"{self!r}: the comm is closed")
-        sizes = []
-        kinds = []
-        out = []
-        device = False
-        for f in frames:
-            if _is_device(f):
-                device = True
-                kinds.append(KIND_CUDA)
-                sizes.append(nbytes(f))
-                out.append(f)
-            else:
-                mv = ensure_memoryview(f)
-                kinds.append(KIND_HOST)
-                sizes.append(mv.nbytes)
-                out.append(mv)
-        bufs = pack_header(sizes, kinds, flags)
-        bufs.extend(out)
+        out = [f if _is_device(f) else ensure_memoryview(f) for f in frames]
         try:
-            if device:
-                # UCX is not stream-ordered: make sure the producers of the
-                # device frames are done before UCX reads them.
-                _synchronize_device()
             self._check_sends()
-            req = ep.gather_send(bufs)
+            sizes, kinds = _frames.describe(out)
+            req = _frames.post_described(ep, out, sizes, kinds, app_flags=flags)
             if req.done():
                 req.result()
             else:
@@ -542,42 +428,26 @@ class UCXX(Comm):
         if ep is None:
             raise CommClosedError(f"{self!r}: the comm is closed")
         try:
-            hdr = bytearray(HEADER_SIZE)
-            await _recv(ep, [hdr], False)
-            flags, n = unpack_header(hdr, self._max_frames)
+            flags, frames = await _frames.recv_header(
+                lambda buf: _recv(ep, [buf], False), self._max_frames, _MAX_BYTES,
+                host_array,
+            )
             if flags & FLAG_CLOSE:
+                if frames:
+                    raise ValueError("ucxx comm CLOSE header with frames")
                 await self._peer_closed()
                 raise CommClosedError(f"{self!r}: the peer closed the comm")
-            if flags & FLAG_TABLE:
-                table = bytearray(9 * n)
-                await _recv(ep, [table], False)
-                sizes, kinds = _table_sizes_kinds(table, n)
-            else:
-                sizes, kinds = _inline_sizes_kinds(hdr, n)
-            frames = []
-            device = False
-            for size, kind in zip(sizes, kinds):
-                if kind == KIND_HOST:
-                    frames.append(host_array(size))
-                elif kind == KIND_CUDA:
-                    alloc, _ = _find_device_support()
-                    frames.append(alloc(size))
-                    device = True
-                else:
-                    raise ValueError(f"ucxx comm header with unknown frame kind {kind}")
-            if device:
-                # The allocations must be complete before UCX writes into them.
-                _synchronize_device()
             if frames:
                 await _recv(ep, frames, True)
         except CommClosedError:
             raise
+        except (ValueError, RuntimeError):
+            # Malformed or unserviceable (no device allocator) message.
+            self.abort()
+            raise
         except _UCXError as e:
             self.abort()
             raise CommClosedError(f"{self!r}: while reading: {e!r}") from e
-        except (ValueError, RuntimeError):
-            self.abort()
-            raise
         except BaseException:
             # Some frames may have been consumed: the stream cannot be
             # resumed (cancellation, KeyboardInterrupt...).
@@ -737,38 +607,57 @@ async def _await_all(reqs) -> None:
 
 
 def _recv(ep, bufs: list, gather: bool):
-    """Receive ``bufs`` in order on the comm's tag: one ``recv`` /
-    ``gather_recv``. Should the endpoint refuse because it is closed (the
-    peer closed the connection, which closes our side too), the messages
-    that had arrived before the close are still delivered, from the worker's
-    queue of unexpected messages."""
+    """Receive ``bufs`` on the comm's tag: one ``recv`` (awaitable of the
+    received length) or one ``gather_recv``. Should the endpoint refuse
+    because it is closed (the peer closed the connection, which closes our
+    side too), the messages that had arrived before the close are still
+    delivered, from the worker's queue of unexpected messages."""
     try:
         return ep.gather_recv(bufs) if gather else ep.recv(bufs[0])
     except _UCXError:
         if not ep.closed:
             raise
-    return _recv_arrived(ep, bufs)
+    return _recv_arrived(ep, bufs, gather)
 
 
-async def _recv_arrived(ep, bufs: list) -> None:
-    """Receive ``bufs`` from messages that already arrived, else fail."""
+async def _recv_arrived(ep, bufs: list, gather: bool):
+    """Receive ``bufs`` from messages that already arrived, else fail: one
+    worker-level receive per message (per run of a gather, received whole
+    and scattered into its buffers)."""
     worker = ep.worker
     tag = ep.recv_tag
-    reqs = [worker.tag_recv(b, tag) for b in bufs]
+    if gather:
+        runs = [(first, n, nbytes, bytearray(nbytes) if iov else bufs[first])
+                for first, n, nbytes, iov in _Endpoint.gather_runs(bufs)]
+    else:
+        runs = [(0, 1, None, bufs[0])]
+    reqs = [worker.tag_recv(target, tag) for *_, target in runs]
     try:
         for _ in range(_ARRIVED_SPINS):
             if all(r.done() for r in reqs):
                 break
             worker.progress()
             await asyncio.sleep(0)
+        got = []
         for r in reqs:
             if not r.done():
                 raise CommClosedError("the peer closed the connection")
-            r.result()
+            got.append(r.result())
     finally:
         for r in reqs:
             if not r.done():
                 r.cancel()
+    if not gather:
+        return got[0]
+    for (first, n, nbytes, target), length in zip(runs, got):
+        if length != nbytes:
+            raise _UCXError(f"a message of {length} bytes for frames of {nbytes} bytes")
+        if n > 1:
+            view, off = memoryview(target), 0
+            for b in bufs[first : first + n]:
+                dst = memoryview(b).cast("B")
+                dst[:] = view[off : off + dst.nbytes]
+                off += dst.nbytes
     return None
 
 

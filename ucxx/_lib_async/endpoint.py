@@ -119,7 +119,9 @@ class Endpoint:
     ``force_tag=True``. ``recv`` returns the number of bytes received.
 
     ``await ep.gather_send(list)`` / ``await ep.gather_recv(list)``: several
-    buffers, posted in order in one call, one awaitable.
+    buffers as one operation (small host buffers as one IOV message; see
+    docs/ENGINE.md, "Gathers"), one awaitable; the receiver's buffers must
+    have the sender's sizes and memory types.
     """
 
     def __init__(self, c_ep, ctx=None, ctrl_send_tag=None, ctrl_recv_tag=None):
@@ -272,8 +274,9 @@ class Endpoint:
         """Send a buffer-like ``obj`` to a peer calling ``recv_obj()``: a size
         header message, then the payload (docs/PROTOCOL.md)."""
         nbytes = memoryview(obj).nbytes if not hasattr(obj, "__cuda_array_interface__") else _cuda_nbytes(obj)
-        # One C call posts both messages, in order, on the same tag.
-        await self._ep.gather_send((_OBJ_HEADER.pack(nbytes), obj), tag, force_tag)
+        # One C call posts both messages, in order, on the same tag (the
+        # size header as a message of its own).
+        await self._ep.gather_send((obj,), tag, force_tag, header=(_OBJ_HEADER.pack(nbytes),))
 
     async def recv_obj(self, tag=None, allocator=bytearray, force_tag=False):
         """Receive an object sent with ``send_obj()``; returns
