@@ -14,6 +14,12 @@ runs (ucxx, tcp, ucxx, tcp, ...) so that both see the same machine state, then
 prints the two reports and a side-by-side summary.
 
     python benchmarks/merge.py --protocol ucxx,tcp --runs 5 --chunk-size 1000000
+
+``--scheduler ucxx://host:port,tcp://host:port`` runs against clusters that
+are already up (one per address, the protocol from its scheme) instead of
+starting local ones; ``benchmarks/merge_hosts.py`` uses it for clusters
+whose workers are on separate hosts. ``--json FILE`` writes the summary of
+each protocol (throughputs, durations, pair bandwidths) to FILE.
 """
 
 from __future__ import annotations
@@ -325,11 +331,26 @@ def parse_args(argv=None):
     )
     p.add_argument("--no-check", dest="check", action="store_false", help="skip the row-count check")
     p.add_argument("--markdown", action="store_true", help="wrap the report in markdown code blocks")
+    p.add_argument(
+        "--scheduler",
+        default=None,
+        help="comma list of scheduler addresses of running clusters (ucxx://..., tcp://...): "
+        "use them instead of local clusters; --n-workers workers are waited for",
+    )
+    p.add_argument("--json", default=None, metavar="FILE", help="write the per-protocol summaries to FILE")
     args = p.parse_args(argv)
     from dask.utils import parse_bytes
 
     args.ignore_size = parse_bytes(args.ignore_size)
     args.protocols = [x.strip() for x in args.protocol.split(",") if x.strip()]
+    args.addresses = {}
+    if args.scheduler:
+        for addr in (x.strip() for x in args.scheduler.split(",") if x.strip()):
+            proto, sep, _ = addr.partition("://")
+            if not sep:
+                p.error(f"scheduler address {addr!r} has no scheme")
+            args.addresses[proto] = addr
+        args.protocols = list(args.addresses)
     from distributed.comm.registry import backends, get_backend
 
     for proto in args.protocols:
@@ -359,6 +380,13 @@ def main(argv=None):
     clusters = {}
     with contextlib.ExitStack() as stack:
         for proto in args.protocols:
+            if proto in args.addresses:
+                client = stack.enter_context(
+                    Client(args.addresses[proto], set_as_default=False, timeout="60s")
+                )
+                client.wait_for_workers(args.n_workers, timeout=120)
+                clusters[proto] = client
+                continue
             cluster = stack.enter_context(
                 LocalCluster(
                     protocol=proto,
@@ -415,6 +443,11 @@ def main(argv=None):
             }
         if len(summaries) > 1:
             print_comparison(args, summaries)
+        if args.json:
+            import json
+
+            with open(args.json, "w") as f:
+                json.dump(summaries, f)
         for client in clusters.values():
             client.close()
     return 0

@@ -127,20 +127,21 @@ def test_init_env_takes_precedence(monkeypatch):
 
 @pytest.mark.no_ctx
 def test_default_ucx_options(monkeypatch):
-    """docs/DECISIONS.md: UCX keepalive every 1 s, TCP keepalive probes from
-    1 s of idleness and a 30 s TCP user timeout (which bounds a silent peer),
-    each unless the caller's options or the environment set it."""
+    """docs/DECISIONS.md: UCX keepalive every 1 s, also on tcp (the
+    kernel's TCP keepalive off) and a 30 s TCP user timeout (which bounds a
+    silent peer), each unless the caller's options or the environment set
+    it."""
     from ucxx._lib_async.application_context import effective_options
 
-    defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s",
-                "TCP_KEEPCNT": "3", "TCP_USER_TIMEOUT": "30s"}
+    defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "inf", "TCP_USER_TIMEOUT": "30s",
+                "TCP_CM_REUSEADDR": "y"}
     for name in defaults:
         monkeypatch.delenv(f"UCX_{name}", raising=False)
     assert effective_options() == defaults
     assert effective_options({"UCX_TCP_USER_TIMEOUT": "auto"})["TCP_USER_TIMEOUT"] == "auto"
     monkeypatch.setenv("UCX_TCP_KEEPIDLE", "10s")
     opts = effective_options()
-    assert "TCP_KEEPIDLE" not in opts and opts["TCP_KEEPCNT"] == "3"
+    assert "TCP_KEEPIDLE" not in opts and opts["TCP_USER_TIMEOUT"] == "30s"
     ucxx.init(options={"TLS": "tcp"})
     assert ucxx.core._ctx.options == {"TLS": "tcp", **opts}
     assert ucxx.get_config()["KEEPALIVE_INTERVAL"].startswith("1000000")
@@ -166,6 +167,9 @@ def test_default_ucx_options_the_loaded_ucx_lacks_are_left_out(monkeypatch):
     try:
         opts = ac.effective_options()
         assert "TCP_USER_TIMEOUT" not in opts and "KEEPALIVE_INTERVAL" in opts
+        # without a user timeout, UCX's keepalive messages to a silent host
+        # would be retransmitted for minutes: the kernel's keepalive instead
+        assert {k: opts[k] for k in ac.KERNEL_KEEPALIVE_OPTIONS} == ac.KERNEL_KEEPALIVE_OPTIONS
     finally:
         ac._known_options.cache_clear()
 

@@ -13,18 +13,20 @@ Two families (figures in docs/RELIABILITY.md, "Faults injected"):
   middle of writing into this worker's receive FIFO blocks it for every
   other shared-memory sender (UCX; an ``xfail(strict=True)`` test shows it
   deterministically, with gdb).
-- **Network faults** between a client and a peer process, each in its own
-  network namespace, connected through a router namespace:
-  ``client --veth-- router --veth-- peer``, 10.213.x.0/24 and 10.214.x.0/24
-  addresses, created and removed by the ``netns`` fixture (skipped where
-  ``ip netns`` does not work); nothing is added to the root namespace. Faults: the link taken down (on the router, or this side's veth),
-  every packet dropped on the router (``tc netem loss 100%``, or a
-  ``pfifo limit 0`` qdisc where netem is not built into the kernel), the
-  peer frozen with SIGSTOP. Dropping on the router matters: a drop in a
-  sender's *own* egress qdisc is "local congestion" to Linux TCP and does
-  not count towards keepalive or user timeouts. With the package's TCP
-  defaults (``NET_TUNING``: keepalive 1 s idle, 1 s interval, 3 probes;
-  user timeout 4 s) a silent peer is detected within ``NET_BOUND_S``;
+- **Network faults** between a client and a peer process, each on a host
+  of a ``_netns.Network`` (tests/_netns.py: ``client eth0 --veth-- router
+  --veth-- eth0 peer``, network namespaces created and removed by the
+  ``netns`` fixture, skipped where ``ip netns`` does not work; nothing is
+  added to the root namespace). Faults: the link taken down (on the
+  router, or this side's veth), every packet dropped on the router (``tc
+  netem loss 100%``, or a ``pfifo limit 0`` qdisc where netem is not built
+  into the kernel), the peer frozen with SIGSTOP. Dropping on the router
+  matters: a drop in a sender's *own* egress qdisc is "local congestion"
+  to Linux TCP and does not count towards keepalive or user timeouts. With
+  ``NET_TUNING`` (the package's defaults with a 4 s user timeout) a silent
+  peer is detected within ``NET_BOUND_S``, by the client and by the peer
+  (the side that accepted the connection, which UCX leaves without the
+  kernel's TCP keepalive: ``test_link_down_detected_by_accepting_side``);
   after the link returns new endpoints work. A frozen peer is alive to the
   transport: nothing fails, and the traffic resumes after SIGCONT, unless
   more is sent to it than the sockets buffer: then the user timeout closes
@@ -46,7 +48,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -54,25 +55,24 @@ import pytest
 import ucxx
 import ucxx.core
 
+import _netns
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 # DECISIONS.md: a dead peer must fail pending awaits within 10 s.
 KILL_BOUND_S = 10.0
-# With NET_TUNING, UCX's TCP keepalive declares a silent peer dead after
-# idle + count * interval = 4 s (measured 4.0 s); the bound leaves slack for
-# a loaded machine. NET_TUNING is the package's default (DEFAULT_UCX_OPTIONS)
-# except for a 4 s user timeout instead of 30 s (so that a link lost with
-# data in flight fails within the same bound); set explicitly so that these
-# tests do not depend on the defaults; the tests "with default settings"
-# pass nothing.
+# With NET_TUNING a silent peer is detected after the user timeout (UCX's
+# keepalive message, sent every second, stays unacknowledged: measured
+# 4.0-6.8 s); the bound leaves slack for a loaded machine. NET_TUNING is the
+# package's default (DEFAULT_UCX_OPTIONS) except for a 4 s user timeout
+# instead of 30 s; set explicitly so that these tests do not depend on the
+# defaults; the tests "with default settings" pass nothing.
 NET_BOUND_S = 10.0
 # The package's default TCP_USER_TIMEOUT (docs/DECISIONS.md) plus slack.
 USER_TIMEOUT_BOUND_S = 40.0
 NET_TUNING = {
-    "TCP_KEEPIDLE": "1s",
-    "TCP_KEEPINTVL": "1s",
-    "TCP_KEEPCNT": "3",
+    "TCP_KEEPIDLE": "inf",
     "TCP_USER_TIMEOUT": "4s",
     "KEEPALIVE_INTERVAL": "1s",
 }
@@ -515,6 +515,62 @@ async def test_shm_send_to_killed_peer_raises_typed_error(run_peer, fault_transp
         victim.ep.abort()
 
 
+LISTEN_ON_PORT = r"""
+import asyncio, os, ucxx
+async def main():
+    async def echo(ep):
+        while True:
+            await ep.send_obj(await ep.recv_obj())
+    try:
+        lst = ucxx.create_listener(echo, port=int(os.environ["UXF_PORT"]), host="127.0.0.1")
+    except ucxx.UCXError as e:
+        print("FAILED", type(e).__name__, flush=True)
+        return
+    print("LISTENING", lst.port, flush=True)
+    await asyncio.sleep(3600)
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("reuseaddr", ["default", "n"])
+@pytest.mark.parametrize("fault_transport", ["tcp"], indirect=True)
+async def test_listener_restarted_on_its_port_after_kill(run_peer, fault_transport, reuseaddr):
+    """A server killed with connections open leaves them in TIME_WAIT (or
+    FIN_WAIT2) on its port. With the package's default (SO_REUSEADDR,
+    ``TCP_CM_REUSEADDR=y``) a new server listens on the same port at once;
+    with UCX's own ``n`` it fails with UCXBusyError until they expire."""
+    from conftest import free_port
+
+    port = free_port()
+    extra = {} if reuseaddr == "default" else {"UCX_TCP_CM_REUSEADDR": reuseaddr}
+    env = _env(FAULT_TRANSPORTS["tcp"], UXF_PORT=port, **extra)
+    first = run_peer(LISTEN_ON_PORT, env=env)
+    assert await first.expect("LISTENING") == str(port)
+    ep = await ucxx.create_endpoint("127.0.0.1", port)
+    await ep.send_obj(b"ping")
+    assert bytes(await ep.recv_obj()) == b"ping"
+    os.kill(first.pid, signal.SIGKILL)
+    first.proc.wait(5)
+    with pytest.raises(ucxx.UCXError):
+        await asyncio.wait_for(ep.recv_obj(), KILL_BOUND_S)
+    ep.abort()
+    if shutil.which("ss"):
+        lingering = subprocess.run(["ss", "-tanH", f"sport = :{port}"], capture_output=True,
+                                   text=True).stdout
+        assert "TIME-WAIT" in lingering or "FIN-WAIT" in lingering, lingering
+    second = run_peer(LISTEN_ON_PORT, env=env)
+    line = await second.expect("")
+    if reuseaddr == "default":
+        assert line == f"LISTENING {port}", line
+        ep2 = await ucxx.create_endpoint("127.0.0.1", port)
+        await ep2.send_obj(b"again")
+        assert bytes(await ep2.recv_obj()) == b"again"
+        await ep2.close()
+    else:
+        assert line == "FAILED UCXBusyError", line
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("fault_transport", ["tcp"], indirect=True)
 async def test_listener_keeps_serving_after_client_killed(run_peer, fault_transport):
@@ -622,121 +678,27 @@ async def test_frozen_peer_with_backlog(run_peer, user_timeout):
 
 
 # ------------------------------------------------------------ network faults
-def _sh(*args, check=True, timeout=20):
-    r = subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
-    if check and r.returncode != 0:
-        raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
-    return r
+# The client and the peer are hosts of a _netns.Network ("client", "peer"):
+# client eth0 --veth-- router --veth-- eth0 peer.
 
 
-class Net:
-    """client ns (10.213.N.1) --veth-- router ns --veth-- peer ns (10.214.N.2).
-
-    Nothing is created in the root namespace: a veth there would be picked up
-    (and then lost) by any other UCX process on the machine."""
-
-    def __init__(self):
-        tag = uuid.uuid4().hex[:6]
-        self.client_ns = f"uxc{tag}"
-        self.router = f"uxr{tag}"
-        self.peer_ns = f"uxp{tag}"
-        self.c0 = f"uxc0{tag}"      # in the client namespace
-        self.r0 = f"uxr0{tag}"      # router side towards the client
-        self.r1 = f"uxr1{tag}"      # router side towards the peer
-        self.p0 = f"uxp0{tag}"      # in the peer namespace
-        n = random.randrange(16, 250)
-        self.client_ip = f"10.213.{n}.1"
-        self.r0_ip = f"10.213.{n}.2"
-        self.r1_ip = f"10.214.{n}.1"
-        self.peer_ip = f"10.214.{n}.2"
-        self.drop_kind: str | None = None
-
-    def ns(self, name, *args, check=True):
-        return _sh("ip", "netns", "exec", name, *args, check=check)
-
-    def up(self):
-        for ns in (self.client_ns, self.router, self.peer_ns):
-            _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", self.c0, "netns", self.client_ns, "type", "veth",
-            "peer", "name", self.r0, "netns", self.router)
-        _sh("ip", "link", "add", self.p0, "netns", self.peer_ns, "type", "veth",
-            "peer", "name", self.r1, "netns", self.router)
-        for ns, dev, ip, gw in ((self.client_ns, self.c0, self.client_ip, self.r0_ip),
-                                (self.peer_ns, self.p0, self.peer_ip, self.r1_ip)):
-            self.ns(ns, "ip", "link", "set", "lo", "up")
-            self.ns(ns, "ip", "addr", "add", f"{ip}/24", "dev", dev)
-            self.ns(ns, "ip", "link", "set", dev, "up")
-            self.ns(ns, "ip", "route", "add", "default", "via", gw)
-        self.ns(self.router, "ip", "addr", "add", f"{self.r0_ip}/24", "dev", self.r0)
-        self.ns(self.router, "ip", "addr", "add", f"{self.r1_ip}/24", "dev", self.r1)
-        self.ns(self.router, "ip", "link", "set", self.r0, "up")
-        self.ns(self.router, "ip", "link", "set", self.r1, "up")
-        self.ns(self.router, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/ip_forward")
-
-    def down(self):
-        # Deleting a namespace deletes the links inside it (and a veth's
-        # other end with it).
-        for ns in (self.client_ns, self.peer_ns, self.router):
-            _sh("ip", "netns", "del", ns, check=False)
-
-    # faults
-    def drop_all(self):
-        """Drop every packet the router forwards, both directions."""
-        for dev in (self.r0, self.r1):
-            r = self.ns(self.router, "tc", "qdisc", "add", "dev", dev, "root", "netem",
-                        "loss", "100%", check=False)
-            if r.returncode == 0:
-                self.drop_kind = "netem loss 100%"
-                continue
-            self.ns(self.router, "tc", "qdisc", "add", "dev", dev, "root", "pfifo", "limit", "0")
-            self.drop_kind = "pfifo limit 0"
-
-    def undrop(self):
-        for dev in (self.r0, self.r1):
-            self.ns(self.router, "tc", "qdisc", "del", "dev", dev, "root", check=False)
-
-    def link(self, where: str, state: str):
-        """Take down (or up) the router's link to the peer ("router") or the
-        client's own link ("local")."""
-        if where == "router":
-            self.ns(self.router, "ip", "link", "set", self.r1, state)
-        else:
-            self.ns(self.client_ns, "ip", "link", "set", self.c0, state)
-            if state == "up":
-                self.ns(self.client_ns, "ip", "route", "replace", "default", "via", self.r0_ip)
-
-
-def _netns_unavailable() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    probe = f"uxprobe{os.getpid()}"
-    try:
-        r = _sh("ip", "netns", "add", probe, check=False)
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"ip netns unavailable: {e}"
-    if r.returncode != 0:
-        return f"ip netns add failed: {r.stderr.strip()}"
-    try:
-        r = _sh("ip", "link", "add", f"uxq{os.getpid()}", "netns", probe, "type", "veth",
-                "peer", "name", f"uxq{os.getpid()}b", "netns", probe, check=False)
-        if r.returncode != 0:
-            return f"veth pairs unavailable: {r.stderr.strip()}"
-    finally:
-        _sh("ip", "netns", "del", probe, check=False)
-    return None
+def _link(net, where: str, state: str) -> None:
+    """Take down (or up) the router's link to the peer ("router") or the
+    client's own link ("local")."""
+    if where == "router":
+        net.link("peer", state, side="router")
+    else:
+        net.link("client", state, side="host")
 
 
 @pytest.fixture
 def netns():
-    why = _netns_unavailable()
+    why = _netns.unavailable()
     if why:
         pytest.skip(why)
-    net = Net()
-    try:
-        net.up()
+    with _netns.Network(("client", "peer")) as net:
         yield net
-    finally:
-        net.down()
+    assert not net.leftovers()
 
 
 # UCX reads the routing table once per process (ucs_netlink route cache,
@@ -877,12 +839,12 @@ except BaseException as e:
 class Client:
     """The CLIENT script in a fresh child process in the client namespace."""
 
-    def __init__(self, net: Net, port: int, tuning: dict):
+    def __init__(self, net: _netns.Network, port: int, tuning: dict):
         self.net = net
-        opts = {"TLS": "tcp", "NET_DEVICES": net.c0, **tuning}
-        env = _env(opts, UXF_PEER=net.peer_ip, UXF_PORT=port)
+        opts = {"TLS": "tcp", "NET_DEVICES": net["client"].ifname, **tuning}
+        env = _env(opts, UXF_PEER=net["peer"].ip, UXF_PORT=port)
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", net.client_ns, sys.executable, "-c", CLIENT],
+            ["ip", "netns", "exec", net["client"].ns, sys.executable, "-c", CLIENT],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
         from conftest import Peer
@@ -910,10 +872,10 @@ def net_peer(netns):
     peer namespace, UCX over tcp on its veth only."""
 
     async def start(tuning=NET_TUNING):
-        opts = {"TLS": "tcp", "NET_DEVICES": netns.p0, **tuning}
-        env = _env(opts, UXF_MODE="sockaddr", UXF_HOST=netns.peer_ip, UXF_PARENT="-",
+        opts = {"TLS": "tcp", "NET_DEVICES": netns["peer"].ifname, **tuning}
+        env = _env(opts, UXF_MODE="sockaddr", UXF_HOST=netns["peer"].ip, UXF_PARENT="-",
                    UXF_BASE=0)
-        peer = _run_in_netns(netns.peer_ns, env)
+        peer = _run_in_netns(netns["peer"].ns, env)
         port = int(await peer.expect("PORT"))
         return peer, port
 
@@ -948,7 +910,7 @@ async def _fault_scenario(net, start_peer, inject, activity, bound, tuning=NET_T
             undo()
     failed = res["failed"]
     if len(failed) != res["pending"]:
-        sockets = net.ns(net.client_ns, "ss", "-tinoe", check=False).stdout
+        sockets = net["client"].sh("ss", "-tinoe", check=False).stdout
         raise AssertionError(
             f"{res['pending'] - len(failed)} operation(s) still pending {bound} s after "
             f"the fault: {res}; this side's sockets:\n{sockets}")
@@ -972,10 +934,36 @@ async def _fault_scenario(net, start_peer, inject, activity, bound, tuning=NET_T
 @pytest.mark.parametrize("where", ["router", "local"])
 async def test_link_down(netns, net_peer, where, activity):
     net = netns
-    dt = await _fault_scenario(net, net_peer, lambda: net.link(where, "down"), activity,
-                               NET_BOUND_S, undo=lambda: net.link(where, "up"))
+    dt = await _fault_scenario(net, net_peer, lambda: _link(net, where, "down"), activity,
+                               NET_BOUND_S, undo=lambda: _link(net, where, "up"))
     NET_TIMES[f"link down ({where}, {activity})"] = dt
     print(f"\nlink down ({where}, {activity}): all pending failed after {dt:.2f} s")
+
+
+@pytest.mark.timeout(120)
+async def test_link_down_detected_by_accepting_side(netns, net_peer):
+    """The peer accepted the client's connection (and, having the higher
+    address, UCX's data connection too: UCX enables the kernel's TCP
+    keepalive only on sockets it connects). When the client's link goes
+    down while the connection is idle, the peer's endpoint must fail within
+    the same bound: UCX's own keepalive messages (the package's default)
+    run on both sides."""
+    net = netns
+    peer, port = await net_peer()
+    client = Client(net, port, NET_TUNING)
+    await client.call("connect")
+    t0 = time.monotonic()
+    _link(net, "local", "down")
+    try:
+        err = await peer.expect("EPERR", timeout=NET_BOUND_S + 5)
+        dt = time.monotonic() - t0
+    finally:
+        _link(net, "local", "up")
+    assert err.startswith("UCX") and err != "UCXError", err
+    assert dt < NET_BOUND_S, f"the accepting side noticed the silent client after {dt:.1f} s"
+    NET_TIMES["link down (local, idle), accepting side"] = dt
+    print(f"\nlink down (local, idle): the accepting side failed after {dt:.2f} s ({err})")
+    await client.call("quit")
 
 
 @pytest.mark.timeout(120)
@@ -996,9 +984,9 @@ async def test_link_down_unacked_data_default_settings(netns, net_peer):
     TCP_USER_TIMEOUT bounds the detection (UCX's 'auto' leaves the kernel's
     tcp_retries2, about 15 minutes). The package's default sets it to 30 s."""
     net = netns
-    dt = await _fault_scenario(net, net_peer, lambda: net.link("router", "down"), "late-send",
+    dt = await _fault_scenario(net, net_peer, lambda: _link(net, "router", "down"), "late-send",
                                USER_TIMEOUT_BOUND_S, tuning={},
-                               undo=lambda: net.link("router", "up"), recover=False)
+                               undo=lambda: _link(net, "router", "up"), recover=False)
     NET_TIMES["link down (router, late-send), default settings"] = dt
     print(f"\ndefault settings, late-send, router link down: all pending failed after "
           f"{dt:.2f} s")

@@ -33,20 +33,34 @@ DEFAULT_UCX_OPTIONS = {
     # Detect a dead peer within a few seconds on every transport (shared
     # memory has no connection whose reset the kernel would report).
     "KEEPALIVE_INTERVAL": "1s",
-    # UCX's tcp transport does not use KEEPALIVE_INTERVAL: it relies on the
-    # kernel's TCP keepalive (UCX defaults: 10 s idle, 2 s interval, the
-    # kernel's 9 probes: 18-28 s for a silent host). 1 s + 3 x 1 s = 4 s
-    # (without a user timeout; with one, Linux closes after the user timeout).
-    "TCP_KEEPIDLE": "1s",
-    "TCP_KEEPINTVL": "1s",
-    "TCP_KEEPCNT": "3",
-    # Keepalive does not run while data is unacknowledged (a link that goes
-    # down during a send): only the user timeout bounds that case (UCX's
-    # "auto" leaves the kernel's tcp_retries2, about 15 minutes). Linux also
-    # applies it to a peer whose receive window stays closed (a receiver that
-    # stalls with a backlog), so it is long: 30 s, as Dask's own tcp comm.
+    # UCX's tcp transport either enables the kernel's TCP keepalive (UCX's
+    # default: 10 s idle, 2 s interval, the kernel's 9 probes) or, when it is
+    # disabled, gets UCX's own keepalive: a small message on every endpoint
+    # each KEEPALIVE_INTERVAL. UCX sets the kernel's keepalive only on the
+    # sockets it connects, not on those it accepts, and between two workers
+    # the one with the lower address connects: the other side of an idle
+    # connection to a silent host would never notice. UCX's messages run on
+    # both sides, and keep data unacknowledged on a dead link, where the
+    # user timeout below bounds the detection.
+    "TCP_KEEPIDLE": "inf",
+    # Time data may stay unacknowledged (UCX's "auto" leaves the kernel's
+    # tcp_retries2, about 15 minutes). Linux also applies it to a peer whose
+    # receive window stays closed (a receiver that stalls with a backlog),
+    # so it is long: 30 s, as Dask's own tcp comm.
     "TCP_USER_TIMEOUT": "30s",
+    # SO_REUSEADDR on listening sockets, as asyncio's servers and Dask's tcp
+    # comm have: a listener restarted on its port (a scheduler or worker
+    # after a crash) binds while the old connections are in TIME_WAIT,
+    # instead of failing with UCXBusyError for a minute. Two listeners on
+    # one port still fail.
+    "TCP_CM_REUSEADDR": "y",
 }
+
+# Instead of TCP_KEEPIDLE=inf where the loaded UCX has no TCP_USER_TIMEOUT
+# (before 1.22): without a user timeout UCX's keepalive messages to a silent
+# host would be retransmitted for about 15 minutes, while the kernel's
+# keepalive closes (the connecting side's) idle socket after 1 s + 3 x 1 s.
+KERNEL_KEEPALIVE_OPTIONS = {"TCP_KEEPIDLE": "1s", "TCP_KEEPINTVL": "1s", "TCP_KEEPCNT": "3"}
 
 
 def _normalize_options(options) -> dict[str, str]:
@@ -63,11 +77,11 @@ def _normalize_options(options) -> dict[str, str]:
 
 @functools.lru_cache(maxsize=1)
 def _known_options() -> frozenset[str]:
-    """The names of DEFAULT_UCX_OPTIONS the loaded UCX has
-    (TCP_USER_TIMEOUT, say, only from UCX 1.22 on): UCX refuses the
-    others."""
+    """The names of DEFAULT_UCX_OPTIONS (and KERNEL_KEEPALIVE_OPTIONS) the
+    loaded UCX has (TCP_USER_TIMEOUT, say, only from UCX 1.22 on): UCX
+    refuses the others."""
     known = set()
-    for name, value in DEFAULT_UCX_OPTIONS.items():
+    for name, value in {**DEFAULT_UCX_OPTIONS, **KERNEL_KEEPALIVE_OPTIONS}.items():
         try:
             _ucxx.get_config({name: value})
         except UCXError:
@@ -76,13 +90,22 @@ def _known_options() -> frozenset[str]:
     return frozenset(known)
 
 
+def _defaults() -> dict[str, str]:
+    """DEFAULT_UCX_OPTIONS that the loaded UCX has; the kernel's keepalive
+    instead of UCX's on tcp where it has no TCP_USER_TIMEOUT."""
+    known = _known_options()
+    defaults = dict(DEFAULT_UCX_OPTIONS)
+    if "TCP_USER_TIMEOUT" not in known:
+        defaults.update(KERNEL_KEEPALIVE_OPTIONS)
+    return {k: v for k, v in defaults.items() if k in known}
+
+
 def effective_options(options=None) -> dict[str, str]:
     """``options`` plus this package's defaults for the options that neither
     ``options`` nor the environment set and that the loaded UCX has."""
     opts = _normalize_options(options)
-    for name, value in DEFAULT_UCX_OPTIONS.items():
-        if (name not in opts and f"UCX_{name}" not in os.environ
-                and name in _known_options()):
+    for name, value in _defaults().items():
+        if name not in opts and f"UCX_{name}" not in os.environ:
             opts[name] = value
     return opts
 
