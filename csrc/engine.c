@@ -16,7 +16,8 @@
  * first progresses the worker itself for a budget.  With spin_us="auto"
  * the budget adapts like KVM's halt polling: a completion that arrived
  * after the spin gave up, within UCXX_SPIN_CAP_US, with no other UCX
- * traffic of this process meanwhile, doubles it (from UCXX_SPIN_GROW_US);
+ * traffic of this process meanwhile, grows it to that wait (at least
+ * doubling it, from UCXX_SPIN_GROW_US);
  * one that took longer, or came while this process was busy with its own
  * traffic, halves it (to 0 below UCXX_SPIN_GROW_US).  A spin ends when its request completes, when the
  * progress it makes wakes another task, when the budget is spent (the
@@ -366,7 +367,7 @@ ucxx_spin_adapt(WorkerObject *w, double block_us, int busy)
 {
     double b = w->spin_us;
 
-    if (block_us <= b) {
+    if (!w->spin_auto || block_us <= b) {
         return;
     }
     if (w->spin_backoff > 0) {
@@ -375,7 +376,11 @@ ucxx_spin_adapt(WorkerObject *w, double block_us, int busy)
     }
     if (block_us <= UCXX_SPIN_CAP_US && !busy) {
         if (b < UCXX_SPIN_CAP_US) {
-            b = b * 2 < UCXX_SPIN_GROW_US ? UCXX_SPIN_GROW_US : b * 2;
+            /* At least double, and at once to what this wait needed: a
+             * ping-pong's ends each have to spin long enough for the
+             * other's reply before either catches one. */
+            b = b * 2 > block_us ? b * 2 : block_us;
+            b = b < UCXX_SPIN_GROW_US ? UCXX_SPIN_GROW_US : b;
             w->spin_us = b > UCXX_SPIN_CAP_US ? UCXX_SPIN_CAP_US : b;
             w->spin_grows++;
         }
@@ -396,13 +401,18 @@ ucxx_spin_feedback(RequestObject *r)
 
 /* An auto spin expired with nothing.  While most spins do (the machine is
  * oversubscribed: the peer's reply waits for a CPU, which spinning only
- * keeps busy), stop spinning for UCXX_SPIN_BACKOFF sleeps. */
+ * keeps busy), stop spinning for UCXX_SPIN_BACKOFF sleeps, then start
+ * afresh (the budget has to grow through a few misses before both ends of
+ * a ping-pong spin long enough to catch each other's replies). */
 void
 ucxx_spin_missed(WorkerObject *w)
 {
+    if (!w->spin_auto) {
+        return;
+    }
     w->spin_hit_rate -= w->spin_hit_rate / 8;
     if (w->spin_hit_rate < 0.5) {
-        w->spin_hit_rate = 0.5;
+        w->spin_hit_rate = 1.0;
         w->spin_us = 0.0;
         w->spin_backoff = UCXX_SPIN_BACKOFF;
         w->spin_shrinks++;
