@@ -399,11 +399,26 @@ ucxx_spin_feedback(RequestObject *r)
                     st->ucx_calls != r->sleep_calls);
 }
 
+/* Stop spinning for a while: UCXX_SPIN_BACKOFF sleeps, doubled (up to
+ * UCXX_SPIN_BACKOFF_MAX) each time it starts again before a spin caught a
+ * completion cleanly; then start afresh (the budget has to grow through a
+ * few misses before both ends of a ping-pong spin long enough to catch
+ * each other's replies). */
+static void
+spin_back_off(WorkerObject *w)
+{
+    w->spin_us = 0.0;
+    w->spin_backoff = w->spin_backoff_len;
+    if (w->spin_backoff_len < UCXX_SPIN_BACKOFF_MAX) {
+        w->spin_backoff_len *= 2;
+    }
+    w->spin_hit_rate = 1.0;
+    w->spin_shrinks++;
+}
+
 /* An auto spin expired with nothing.  While most spins do (the machine is
  * oversubscribed: the peer's reply waits for a CPU, which spinning only
- * keeps busy), stop spinning for UCXX_SPIN_BACKOFF sleeps, then start
- * afresh (the budget has to grow through a few misses before both ends of
- * a ping-pong spin long enough to catch each other's replies). */
+ * keeps busy), stop spinning for a while. */
 void
 ucxx_spin_missed(WorkerObject *w)
 {
@@ -412,10 +427,27 @@ ucxx_spin_missed(WorkerObject *w)
     }
     w->spin_hit_rate -= w->spin_hit_rate / 8;
     if (w->spin_hit_rate < 0.5) {
-        w->spin_hit_rate = 1.0;
-        w->spin_us = 0.0;
-        w->spin_backoff = UCXX_SPIN_BACKOFF;
-        w->spin_shrinks++;
+        spin_back_off(w);
+    }
+}
+
+/* The outcome of an auto spin. */
+static void
+spin_outcome(WorkerObject *w, int rc, int expired, int preempted)
+{
+    if (!w->spin_auto) {
+        return;
+    }
+    if (preempted) {
+        /* The thread lost its CPU while spinning (a few progress calls took
+         * far too long): that CPU is wanted elsewhere, maybe by the very
+         * peer the spin waits for. */
+        spin_back_off(w);
+    } else if (expired) {
+        ucxx_spin_missed(w);
+    } else if (rc == UCXX_SPIN_DONE) {
+        w->spin_hit_rate += (1.0 - w->spin_hit_rate) / 8;
+        w->spin_backoff_len = UCXX_SPIN_BACKOFF;
     }
 }
 
@@ -470,15 +502,15 @@ int
 ucxx_spin(RequestObject *r)
 {
     WorkerObject *w = r->worker;
-    double now, deadline, slice_end;
+    double now, last, deadline, slice_end;
     unsigned long wakeups = w->wakeups;
     unsigned i = 0;
-    int rc;
+    int rc, preempted = 0;
 
     if (w->handle == NULL) {
         return UCXX_SPIN_SLEEP;
     }
-    now = ucxx_now_us();
+    now = last = ucxx_now_us();
     if (r->wait_start == 0.0) {
         r->wait_start = now;
     }
@@ -507,6 +539,7 @@ ucxx_spin(RequestObject *r)
             ucxx_unlock(w);
             if (r->status != UCS_INPROGRESS) {
                 rc = UCXX_SPIN_DONE;
+                preempted |= ucxx_now_us() - last > UCXX_SPIN_GAP_US;
                 break;
             }
             if (w->wakeups != wakeups) {
@@ -516,6 +549,8 @@ ucxx_spin(RequestObject *r)
         }
         if ((++i & 7) == 0) {
             now = ucxx_now_us();
+            preempted |= now - last > UCXX_SPIN_GAP_US;
+            last = now;
             if (now >= deadline) {
                 rc = UCXX_SPIN_SLEEP;
                 break;
@@ -535,10 +570,8 @@ ucxx_spin(RequestObject *r)
     }
     if (rc == UCXX_SPIN_DONE) {
         w->spin_hits++;
-        w->spin_hit_rate += (1.0 - w->spin_hit_rate) / 8;
-    } else if (rc == UCXX_SPIN_SLEEP && w->wakeups == wakeups &&
-               w->spin_auto) {
-        ucxx_spin_missed(w);
     }
+    spin_outcome(w, rc, rc == UCXX_SPIN_SLEEP && w->wakeups == wakeups,
+                 preempted);
     return rc;
 }

@@ -220,6 +220,7 @@ struct WorkerObject {
     double spin_hit_rate;        /* auto: moving average of spins that
                                     caught their completion */
     unsigned spin_backoff;       /* auto: sleeps left before it may grow */
+    unsigned spin_backoff_len;   /* auto: the next back-off's length */
     unsigned long spin_hits, spin_grows, spin_shrinks, slice_yields;
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
@@ -442,6 +443,10 @@ int ucxx_address_check(ucxx_state *st, const uint8_t *a, Py_ssize_t len);
 #define UCXX_SPIN_GROW_US 10.0
 #define UCXX_SPIN_CAP_US 200.0
 #define UCXX_SPIN_BACKOFF 32
+#define UCXX_SPIN_BACKOFF_MAX 1024
+/* Eight progress calls take a few microseconds; longer means the spinning
+ * thread lost its CPU. */
+#define UCXX_SPIN_GAP_US 30.0
 #define UCXX_POLL_SPIN_US 100.0
 #define UCXX_SLICE_US 200.0
 #define UCXX_SLICE_CHECK 32

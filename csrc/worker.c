@@ -184,6 +184,7 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     ucxx_list_init(&w->am_ready);
     w->context = (ContextObject *)Py_NewRef(ctx);
     w->spin_hit_rate = 1.0;
+    w->spin_backoff_len = UCXX_SPIN_BACKOFF;
     if (set_spin(w, spin) < 0) {
         return worker_new_failed(w);
     }

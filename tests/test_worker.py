@@ -90,7 +90,7 @@ def test_auto_spin_policy(ctx):
     doubling it, from 10 us up to the 200 us cap; one within the budget
     changes nothing; a wait longer than the cap, or one during which this
     process made other UCX calls, halves it (to 0 below 10 us); spins that
-    mostly expire stop it for 32 sleeps."""
+    mostly expire stop it for 32 sleeps, then 64, ..."""
     w = U.Worker(ctx, "blocking")
     try:
         budgets = []
@@ -112,12 +112,14 @@ def test_auto_spin_policy(ctx):
         st = w.spin_stats
         assert st["grows"] == 6 and st["shrinks"] == 5
         # expired spins: the moving hit rate falls below 1/2 after 6 in a
-        # row, then no growth for 32 sleeps, then a fresh start
-        for cycle in range(2):
+        # row, then no growth for 32 sleeps, then a fresh start; a back-off
+        # that follows another without a clean hit between lasts twice as
+        # long
+        for cycle, length in enumerate((32, 64)):
             for i in range(6):
                 w._spin_missed()
                 assert w.spin_us == (0.0 if i == 5 else 10.0), (cycle, i)
-            for _ in range(32):
+            for _ in range(length):
                 w._spin_adapt(150.0)
                 assert w.spin_us == 0.0
             w._spin_adapt(5.0)
