@@ -98,17 +98,12 @@ gather_recv_cb(void *request, ucs_status_t status,
  * message with its multi-fragment protocol, a contiguous one of the same
  * size in one fragment; the receiver's IOV receive takes either (a tagged
  * message is bytes; the datatype is each side's own). */
-static size_t
-pack_limit(void)
-{
-    const char *e = getenv("UCXX_EXP_PACK");
-    return e ? (size_t)atol(e) : 65536;
-}
+#define UCXX_GATHER_PACK_MAX 65536
 
 static int
 run_packed(const ucxx_op *op)
 {
-    return op->nframes > 1 && op->expected <= pack_limit();
+    return op->nframes > 1 && op->expected <= UCXX_GATHER_PACK_MAX;
 }
 
 static int

@@ -323,10 +323,16 @@ async def test_auto_spin_grows_with_a_peer_and_shrinks_when_idle(mode):
         buf, out = b"x", bytearray(1)
         for _ in range(300):
             await _echo_round(s.ep, buf, out)
+        # a loaded machine delays replies past the cap or takes the CPU
+        # from a spin, and the budget backs off to 0 for a while: go on
+        # until it has grown again
+        for _ in range(5000):
+            if s.w.spin_us > 0:
+                break
+            await _echo_round(s.ep, buf, out)
         st = s.w.spin_stats
-        # (a loaded machine delays many replies past the cap)
         assert st["grows"] > 0 and st["hits"] > 0, st
-        assert 0 < s.w.spin_us <= 200
+        assert 0 < s.w.spin_us <= 200, st
         # a wait much longer than the cap: the budget halves
         budget = s.w.spin_us
         r = s.ep.tag_recv(out, 3)
