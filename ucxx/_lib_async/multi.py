@@ -23,7 +23,12 @@ import asyncio
 import os
 import struct
 
+from .. import _ucxx
 from ..exceptions import UCXError
+
+# The C methods, called on the endpoint explicitly: an Endpoint subclass
+# (close_after_n_recv's) may wrap the public ones.
+_C = _ucxx.Endpoint
 
 MAGIC = b"UCXM"
 VERSION = 1
@@ -151,23 +156,23 @@ async def send_multi(ep, buffers, tag=None, force_tag=False) -> None:
         n, m = _frame_info(b)
         sizes.append(n)
         memtypes.append(m)
-    c_ep = ep._ep
     # Post everything before awaiting anything: the posts are in order.
-    reqs = [c_ep.send(h, tag, force_tag) for h in encode_header(sizes, memtypes)]
+    reqs = [_C.send(ep, h, tag, force_tag) for h in encode_header(sizes, memtypes)]
     if buffers:
-        reqs.append(c_ep.gather_send(list(buffers), tag, force_tag))
+        reqs.append(_C.gather_send(ep, list(buffers), tag, force_tag))
     for r in reqs:
         await r
 
 
 async def recv_multi(ep, tag=None, force_tag=False) -> list:
-    c_ep = ep._ep
     lock = ep._multi_lock
     if lock is None:
         lock = ep._multi_lock = asyncio.Lock()
     async with lock:
         header = bytearray(HEADER_MAX)
-        n = await c_ep.recv(header, tag, force_tag)
+        # The header through recv() (it counts as the endpoint's one receive
+        # of this recv_multi), the rest through tag_recv/gather_recv.
+        n = await _C.recv(ep, header, tag, force_tag)
         if n is None:
             n = HEADER_MAX
         data = memoryview(header)[:n]
@@ -178,7 +183,7 @@ async def recv_multi(ep, tag=None, force_tag=False) -> list:
             if n != PREFIX_SIZE:
                 raise UCXError(f"recv_multi: header of {n} bytes with a separate table")
             table = bytearray(9 * count)
-            got = await c_ep.recv(table, tag, force_tag)
+            got = await _C.tag_recv(ep, table, ep.recv_tag_for(tag, force_tag))
             if got is not None and got != len(table):
                 raise UCXError("recv_multi: short frame table")
         else:
@@ -188,7 +193,7 @@ async def recv_multi(ep, tag=None, force_tag=False) -> list:
             _cuda_alloc(s) if m == MEM_CUDA else _host_alloc(s)
             for s, m in zip(sizes, memtypes)
         ]
-        req = c_ep.gather_recv(frames, tag, force_tag) if frames else None
+        req = _C.gather_recv(ep, frames, tag, force_tag) if frames else None
     if req is not None:
         await req
     return frames
