@@ -821,6 +821,7 @@ Endpoint_traverse(EndpointObject *ep, visitproc visit, void *arg)
     Py_VISIT(ep->close_req);
     Py_VISIT(ep->am_queue);
     Py_VISIT(ep->state);
+    Py_VISIT(ep->dict);
     return 0;
 }
 
@@ -831,6 +832,7 @@ Endpoint_clear(EndpointObject *ep)
     Py_CLEAR(ep->close_req);
     Py_CLEAR(ep->am_queue);
     Py_CLEAR(ep->state);
+    Py_CLEAR(ep->dict);
     return 0;
 }
 
@@ -943,12 +945,17 @@ static PyGetSetDef Endpoint_getset[] = {
      "Tag of recv() when tag is None.", NULL},
     {"recv_count", (getter)Endpoint_get_recv_count, NULL,
      "Receives posted by recv() and am_recv().", NULL},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
 
 static PyMemberDef Endpoint_members[] = {
     {"__weaklistoffset__", T_PYSSIZET, offsetof(EndpointObject, weakreflist),
      READONLY},
+    /* Attributes an application sets on its endpoints (a plain Python
+     * object in RAPIDS ucxx); the dict exists only once one is set, so
+     * method lookups stay on the class's fast path. */
+    {"__dictoffset__", T_PYSSIZET, offsetof(EndpointObject, dict), READONLY},
     {"_state", T_OBJECT, offsetof(EndpointObject, state), 0,
      "The asyncio layer's per-endpoint state (None at creation)."},
     {NULL},

@@ -336,6 +336,8 @@ struct EndpointObject {
     PyObject *am_queue;          /* strong: list of received AM objects */
     PyObject *state;             /* strong: the asyncio layer's state of a
                                     public Endpoint (_state), or NULL */
+    PyObject *dict;              /* strong: instance __dict__ (created on
+                                    first attribute set), or NULL */
     uint64_t nrecv;              /* receives posted by recv()/am_recv() */
     void *am_raw;                /* malloc'd list of raw AM messages (am.c) */
     void *am_raw_tail;
