@@ -381,7 +381,8 @@ def run_merge(args):
         for proto in args.protocols:
             cluster = stack.enter_context(
                 LocalCluster(
-                    protocol=proto,
+                    # "ucxx" is this package's backend: ucxx-c:// (docs/DASK.md)
+                    protocol="ucxx-c" if proto == "ucxx" else proto,
                     n_workers=2,
                     threads_per_worker=1,
                     processes=True,

@@ -389,7 +389,8 @@ def main(argv=None):
                 continue
             cluster = stack.enter_context(
                 LocalCluster(
-                    protocol=proto,
+                    # "ucxx" is this package's backend: ucxx-c:// (docs/DASK.md)
+                    protocol="ucxx-c" if proto == "ucxx" else proto,
                     n_workers=args.n_workers,
                     threads_per_worker=args.threads_per_worker,
                     processes=True,

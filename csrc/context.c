@@ -55,8 +55,9 @@ error:
     return NULL;
 }
 
-/* Apply {NAME: value} (no UCX_ prefix) to config; unknown names raise
- * UCXConfigError naming the option. */
+/* Apply {NAME: value} (no UCX_ prefix) to config; a name or value UCX
+ * refuses raises UCXInvalidOptionError (a UCXConfigError and a
+ * UCXInvalidParamError) naming the option. */
 int
 ucxx_config_apply(ucxx_state *st, ucp_config_t *config, PyObject *opts,
                   int env_takes_precedence)
@@ -106,9 +107,10 @@ ucxx_config_apply(ucxx_state *st, ucp_config_t *config, PyObject *opts,
         status = ucp_config_modify(config, k, v);
         if (status != UCS_OK) {
             if (status == UCS_ERR_NO_ELEM) {
-                ucxx_raise(st, UCXX_EXC_CONFIG, "unknown UCX option %R", key);
+                ucxx_raise(st, UCXX_EXC_INVALID_OPTION,
+                           "unknown UCX option %R", key);
             } else {
-                ucxx_raise(st, UCXX_EXC_CONFIG,
+                ucxx_raise(st, UCXX_EXC_INVALID_OPTION,
                            "invalid value %R for UCX option %R: %s", vs, key,
                            ucs_status_string(status));
             }

@@ -7,6 +7,8 @@
  */
 #include "ucxx.h"
 
+#include <inttypes.h>
+
 static uint64_t
 mix64(uint64_t x)
 {
@@ -317,7 +319,37 @@ endpoint_check_recv(EndpointObject *ep)
     return 0;
 }
 
-/* (buf, tag=None, force_tag=False) -> the tag to use. */
+/* A str or bytes tag (RAPIDS accepts names: tag="msg1"): FNV-1a of its
+ * bytes (UTF-8), the same in every process, mixed with base. */
+static int
+mix_name_tag(PyObject *obj, ucp_tag_t base, ucp_tag_t *tag)
+{
+    const char *p;
+    Py_ssize_t n;
+    uint64_t h = 0xcbf29ce484222325ULL;
+
+    if (PyUnicode_Check(obj)) {
+        p = PyUnicode_AsUTF8AndSize(obj, &n);
+        if (p == NULL) {
+            return -1;
+        }
+    } else if (PyBytes_Check(obj)) {
+        p = PyBytes_AS_STRING(obj);
+        n = PyBytes_GET_SIZE(obj);
+    } else {
+        PyErr_Format(PyExc_TypeError, "tag must be an int, str or bytes, "
+                     "not '%.100s'", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        h = (h ^ (uint8_t)p[i]) * 0x100000001b3ULL;
+    }
+    *tag = base ^ mix64(h ^ 0x6e616d65ULL);   /* "name": not an int's tag */
+    return 0;
+}
+
+/* (buf, tag=None, force_tag=False) -> the tag to use (nbuf: the leading
+ * positional arguments before tag, 0 or 1). */
 static int
 parse_msg_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                const char *name, ucp_tag_t base, int nbuf, PyObject **first,
@@ -332,7 +364,7 @@ parse_msg_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                      "arguments (%zd given)", name, nbuf, nbuf + 2, nargs);
         return -1;
     }
-    *first = args[0];
+    *first = nbuf > 0 ? args[0] : NULL;
     if (nargs > nbuf) {
         tag_obj = args[nbuf];
     }
@@ -363,9 +395,7 @@ parse_msg_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
         return ucxx_tag_from_obj(tag_obj, tag);
     }
     if (!PyLong_Check(tag_obj)) {
-        PyErr_Format(PyExc_TypeError, "tag must be an int, not '%.100s'",
-                     Py_TYPE(tag_obj)->tp_name);
-        return -1;
+        return mix_name_tag(tag_obj, base, tag);
     }
     {
         /* Any int: its low 64 bits (two's complement) mixed with base. */
@@ -376,6 +406,24 @@ parse_msg_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
         *tag = base ^ mix64(v);
     }
     return 0;
+}
+
+PyDoc_STRVAR(Endpoint_recv_tag_for_doc,
+"recv_tag_for($self, tag=None, force_tag=False)\n--\n\n"
+"The UCX tag recv(buf, tag, force_tag) matches (what tag_probe needs).");
+
+static PyObject *
+Endpoint_recv_tag_for(EndpointObject *ep, PyObject *const *args,
+                      size_t nargsf, PyObject *kwnames)
+{
+    PyObject *unused;
+    ucp_tag_t tag;
+
+    if (parse_msg_args(args, PyVectorcall_NARGS(nargsf), kwnames,
+                       "recv_tag_for", ep->recv_tag, 0, &unused, &tag) < 0) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(tag);
 }
 
 /* ---- transfers ---------------------------------------------------------- */
@@ -417,6 +465,7 @@ Endpoint_recv(EndpointObject *ep, PyObject *const *args, size_t nargsf,
         endpoint_check_recv(ep) < 0) {
         return NULL;
     }
+    ep->nrecv++;
     return ucxx_request_post_recv(ep->worker, ep, buf, tag,
                                   UCXX_TAG_MASK_FULL);
 }
@@ -614,7 +663,20 @@ Endpoint_am_recv(EndpointObject *ep, PyObject *unused)
     if (endpoint_check_recv(ep) < 0) {
         return NULL;
     }
+    ep->nrecv++;
     return ucxx_am_recv(ep);
+}
+
+PyDoc_STRVAR(Endpoint_am_probe_doc,
+"am_probe($self, /)\n--\n\n"
+"True if an active message from this endpoint waits for am_recv().");
+
+static PyObject *
+Endpoint_am_probe(EndpointObject *ep, PyObject *unused)
+{
+    return PyBool_FromLong(ep->am_raw != NULL ||
+                           (ep->am_queue != NULL &&
+                            PyList_GET_SIZE(ep->am_queue) > 0));
 }
 
 /* ---- close -------------------------------------------------------------- */
@@ -700,7 +762,27 @@ Endpoint_set_close_callback(EndpointObject *ep, PyObject *cb)
     Py_RETURN_NONE;
 }
 
+PyDoc_STRVAR(Endpoint_raise_on_error_doc,
+"raise_on_error($self, /)\n--\n\n"
+"Raise the peer error of this endpoint (its UCXError class), if any.");
+
+static PyObject *
+Endpoint_raise_on_error(EndpointObject *ep, PyObject *unused)
+{
+    if (ep->error != UCS_OK) {
+        return ucxx_raise_status(ucxx_state_of((PyObject *)ep), ep->error,
+                                 "endpoint failed");
+    }
+    Py_RETURN_NONE;
+}
+
 /* ---- getters ------------------------------------------------------------ */
+
+static PyObject *
+Endpoint_get_recv_count(EndpointObject *ep, void *closure)
+{
+    return PyLong_FromUnsignedLongLong(ep->nrecv);
+}
 
 static PyObject *
 Endpoint_get_peer_closed(EndpointObject *ep, void *closure)
@@ -804,6 +886,8 @@ Endpoint_traverse(EndpointObject *ep, visitproc visit, void *arg)
     Py_VISIT(ep->close_cb);
     Py_VISIT(ep->close_req);
     Py_VISIT(ep->am_queue);
+    Py_VISIT(ep->state);
+    Py_VISIT(ep->dict);
     return 0;
 }
 
@@ -813,6 +897,8 @@ Endpoint_clear(EndpointObject *ep)
     Py_CLEAR(ep->close_cb);
     Py_CLEAR(ep->close_req);
     Py_CLEAR(ep->am_queue);
+    Py_CLEAR(ep->state);
+    Py_CLEAR(ep->dict);
     return 0;
 }
 
@@ -867,7 +953,7 @@ Endpoint_repr(EndpointObject *ep)
 {
     char uid[24]; /* PyUnicode_FromFormat has no %llx before Python 3.12 */
 
-    snprintf(uid, sizeof(uid), "%llx", (unsigned long long)ep->uid);
+    snprintf(uid, sizeof(uid), "%#llx", (unsigned long long)ep->uid);
     return PyUnicode_FromFormat("<ucxx.Endpoint uid=%s %s>", uid,
                                 ep->error != UCS_OK ? "failed" :
                                 ep->closed ? "closed" : "open");
@@ -900,6 +986,11 @@ static PyMethodDef Endpoint_methods[] = {
      Endpoint_close_by_peer_doc},
     {"set_close_callback", (PyCFunction)Endpoint_set_close_callback, METH_O,
      Endpoint_set_close_callback_doc},
+    {"recv_tag_for", FASTKW(Endpoint_recv_tag_for), Endpoint_recv_tag_for_doc},
+    {"am_probe", (PyCFunction)Endpoint_am_probe, METH_NOARGS,
+     Endpoint_am_probe_doc},
+    {"raise_on_error", (PyCFunction)Endpoint_raise_on_error, METH_NOARGS,
+     Endpoint_raise_on_error_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -919,18 +1010,29 @@ static PyGetSetDef Endpoint_getset[] = {
      "Tag of send() when tag is None.", NULL},
     {"recv_tag", (getter)Endpoint_get_recv_tag, (setter)Endpoint_set_recv_tag,
      "Tag of recv() when tag is None.", NULL},
+    {"recv_count", (getter)Endpoint_get_recv_count, NULL,
+     "Receives posted by recv() and am_recv().", NULL},
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
     {NULL},
 };
 
 static PyMemberDef Endpoint_members[] = {
     {"__weaklistoffset__", T_PYSSIZET, offsetof(EndpointObject, weakreflist),
      READONLY},
+    /* Attributes an application sets on its endpoints (a plain Python
+     * object in RAPIDS ucxx); the dict exists only once one is set, so
+     * method lookups stay on the class's fast path. */
+    {"__dictoffset__", T_PYSSIZET, offsetof(EndpointObject, dict), READONLY},
+    {"_state", T_OBJECT, offsetof(EndpointObject, state), 0,
+     "The asyncio layer's per-endpoint state (None at creation)."},
     {NULL},
 };
 
 PyDoc_STRVAR(Endpoint_doc,
 "A UCX endpoint. Created by Worker.ep_from_address/ep_from_sockaddr or a\n"
-"Listener, never directly.");
+"Listener, never directly. A Python subclass that adds no instance\n"
+"layout (__slots__ = ()) may be assigned to __class__: the public\n"
+"ucxx.Endpoint is such a subclass, so its transfer methods are these.");
 
 static PyType_Slot Endpoint_slots[] = {
     {Py_tp_doc, (void *)Endpoint_doc},
@@ -948,7 +1050,7 @@ static PyType_Slot Endpoint_slots[] = {
 PyType_Spec ucxx_endpoint_spec = {
     .name = "ucxx._ucxx.Endpoint",
     .basicsize = sizeof(EndpointObject),
-    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC |
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_BASETYPE |
              Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .slots = Endpoint_slots,
 };

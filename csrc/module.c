@@ -16,6 +16,13 @@ atfork_child(void)
 ucxx_state *
 ucxx_state_from_type(PyTypeObject *tp)
 {
+    /* A Python subclass of one of our types (the public ucxx.Endpoint)
+     * has no module of its own: its C base has. */
+    while (((PyHeapTypeObject *)tp)->ht_module == NULL &&
+           tp->tp_base != NULL &&
+           (tp->tp_base->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
+        tp = tp->tp_base;
+    }
     return (ucxx_state *)PyType_GetModuleState(tp);
 }
 
@@ -91,10 +98,17 @@ PyDoc_STRVAR(get_config_doc,
 "UCX configuration {NAME: value} (no UCX_ prefix) after applying options.\n"
 "Creates no context.");
 
+PyDoc_STRVAR(status_exception_doc,
+"_status_exception($module, status, /)\n--\n\n"
+"The exception instance a UCX error status (a negative ucs_status_t)\n"
+"becomes: the one mapping of csrc/status.c.");
+
 static PyMethodDef module_methods[] = {
     {"get_ucx_version", get_ucx_version, METH_NOARGS, get_ucx_version_doc},
     {"get_config", (PyCFunction)(void (*)(void))ucxx_get_config,
      METH_VARARGS | METH_KEYWORDS, get_config_doc},
+    {"_status_exception", ucxx_status_exception, METH_O,
+     status_exception_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -90,6 +90,22 @@ enum {
     UCXX_EXC_NO_DEVICE,
     UCXX_EXC_EP_TIMEOUT,
     UCXX_EXC_BUFFER_TOO_SMALL,
+    UCXX_EXC_ALREADY_EXISTS,
+    UCXX_EXC_EXCEEDS_LIMIT,
+    UCXX_EXC_FIRST_EP_FAILURE,
+    UCXX_EXC_FIRST_LINK_FAILURE,
+    UCXX_EXC_IO,
+    UCXX_EXC_INVALID_ADDR,
+    UCXX_EXC_LAST_EP_FAILURE,
+    UCXX_EXC_LAST_LINK_FAILURE,
+    UCXX_EXC_NO_ELEM,
+    UCXX_EXC_NO_MESSAGE,
+    UCXX_EXC_NO_PROGRESS,
+    UCXX_EXC_NOT_IMPLEMENTED,
+    UCXX_EXC_OUT_OF_RANGE,
+    UCXX_EXC_SHMEM_SEGMENT,      /* also a UCXConnectionResetError */
+    UCXX_EXC_SOME_CONNECTS_FAILED,
+    UCXX_EXC_INVALID_OPTION,     /* UCXConfigError and UCXInvalidParamError */
     UCXX_EXC_COUNT
 };
 
@@ -368,6 +384,11 @@ struct EndpointObject {
     ucxx_link alink;             /* worker->am_ready */
     ucxx_link am_waiters;        /* RequestObject.elink: pending am_recv */
     PyObject *am_queue;          /* strong: list of received AM objects */
+    PyObject *state;             /* strong: the asyncio layer's state of a
+                                    public Endpoint (_state), or NULL */
+    PyObject *dict;              /* strong: instance __dict__ (created on
+                                    first attribute set), or NULL */
+    uint64_t nrecv;              /* receives posted by recv()/am_recv() */
     void *am_raw;                /* malloc'd list of raw AM messages (am.c) */
     void *am_raw_tail;
     PyObject *weakreflist;
@@ -410,6 +431,7 @@ PyObject *ucxx_raise_status(ucxx_state *st, ucs_status_t status,
                             const char *what);
 PyObject *ucxx_raise(ucxx_state *st, int exc, const char *fmt, ...);
 int ucxx_status_init(PyObject *module, ucxx_state *st);
+PyObject *ucxx_status_exception(PyObject *module, PyObject *arg);
 
 /* buffer.c */
 int ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b);
@@ -538,6 +560,8 @@ void ucxx_request_complete_now(RequestObject *r, ucs_status_t status);
 void ucxx_request_cancel_ucx(RequestObject *r, ucs_status_t report);
 PyObject *ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep,
                                  PyObject *buf, ucp_tag_t tag, ucp_tag_t mask);
+PyObject *ucxx_request_post_msg_recv(WorkerObject *w, PyObject *buf,
+                                     ucp_tag_message_h msg);
 PyObject *ucxx_request_post_send(EndpointObject *ep, PyObject *buf,
                                  ucp_tag_t tag);
 PyObject *ucxx_request_post_stream(EndpointObject *ep, PyObject *buf,

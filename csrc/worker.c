@@ -564,6 +564,92 @@ Worker_tag_recv(WorkerObject *w, PyObject *const *args, Py_ssize_t nargs)
     return ucxx_request_post_recv(w, NULL, args[0], tag, mask);
 }
 
+/* A message removed from UCX's queue by tag_probe(remove=True): a capsule
+ * whose context is the worker's handle until the message is received. */
+#define UCXX_MSG_CAPSULE "ucxx._ucxx.tag_message"
+
+PyDoc_STRVAR(Worker_tag_probe_doc,
+"tag_probe($self, tag, mask=0xFFFFFFFFFFFFFFFF, remove=False, /)\n--\n\n"
+"ucp_tag_probe_nb: None if no message matching tag/mask has arrived,\n"
+"else (sender_tag, length, handle). With remove the message leaves UCX's\n"
+"queue and handle is what tag_recv_with_handle() receives it with\n"
+"(otherwise None). Does not progress the worker.");
+
+static PyObject *
+Worker_tag_probe(WorkerObject *w, PyObject *const *args, Py_ssize_t nargs)
+{
+    ucp_tag_t tag, mask = UCXX_TAG_MASK_FULL;
+    ucp_tag_recv_info_t info;
+    ucp_tag_message_h msg;
+    PyObject *handle;
+    int remove = 0;
+
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError,
+                        "tag_probe(tag, mask=..., remove=False)");
+        return NULL;
+    }
+    if (ucxx_worker_check(w) < 0 || ucxx_tag_from_obj(args[0], &tag) < 0 ||
+        (nargs > 1 && ucxx_tag_from_obj(args[1], &mask) < 0) ||
+        (nargs > 2 && (remove = PyObject_IsTrue(args[2])) < 0)) {
+        return NULL;
+    }
+    ucxx_lock(w);
+    msg = ucp_tag_probe_nb(w->handle, tag, mask, remove, &info);
+    ucxx_worker_touched(w);
+    ucxx_unlock(w);
+    if (msg == NULL) {
+        Py_RETURN_NONE;
+    }
+    if (!remove) {
+        handle = Py_NewRef(Py_None);
+    } else if ((handle = PyCapsule_New(msg, UCXX_MSG_CAPSULE, NULL)) == NULL ||
+               PyCapsule_SetContext(handle, w->handle) < 0) {
+        /* The message stays in UCX until the worker is destroyed. */
+        Py_XDECREF(handle);
+        return NULL;
+    }
+    return Py_BuildValue("KnN", (unsigned long long)info.sender_tag,
+                         (Py_ssize_t)info.length, handle);
+}
+
+PyDoc_STRVAR(Worker_tag_recv_with_handle_doc,
+"tag_recv_with_handle($self, buf, handle, /)\n--\n\n"
+"ucp_tag_msg_recv_nbx: receive the message a tag_probe(remove=True) of\n"
+"this worker took from UCX's queue into buf. Each handle once.");
+
+static PyObject *
+Worker_tag_recv_with_handle(WorkerObject *w, PyObject *const *args,
+                            Py_ssize_t nargs)
+{
+    ucp_tag_message_h msg;
+    PyObject *r;
+
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "tag_recv_with_handle(buf, handle)");
+        return NULL;
+    }
+    if (ucxx_worker_check(w) < 0) {
+        return NULL;
+    }
+    if (!PyCapsule_IsValid(args[1], UCXX_MSG_CAPSULE)) {
+        PyErr_SetString(PyExc_TypeError, "handle must come from "
+                        "Worker.tag_probe(..., remove=True)");
+        return NULL;
+    }
+    if (PyCapsule_GetContext(args[1]) != (void *)w->handle) {
+        PyErr_SetString(PyExc_ValueError, "the message of this handle was "
+                        "already received, or belongs to another worker");
+        return NULL;
+    }
+    msg = PyCapsule_GetPointer(args[1], UCXX_MSG_CAPSULE);
+    r = ucxx_request_post_msg_recv(w, args[0], msg);
+    if (r != NULL && PyCapsule_SetContext(args[1], NULL) < 0) {
+        Py_CLEAR(r);
+    }
+    return r;
+}
+
 PyDoc_STRVAR(Worker_ep_from_address_doc,
 "ep_from_address($self, address, error_handling=True)\n--\n\n"
 "Endpoint to the worker whose UCX address is given (no handshake).\n"
@@ -629,8 +715,8 @@ Worker_ep_from_sockaddr(WorkerObject *w, PyObject *args, PyObject *kw)
     rc = getaddrinfo(host, portstr, &hints, &res);
     Py_END_ALLOW_THREADS
     if (rc != 0) {
-        PyErr_Format(PyExc_ValueError, "cannot resolve address %R: %s",
-                     PyTuple_GET_ITEM(args, 0), gai_strerror(rc));
+        PyErr_Format(PyExc_ValueError, "cannot resolve address '%s': %s",
+                     host, gai_strerror(rc));
         return NULL;
     }
     if (ucxx_check_family(w, res->ai_family, host) < 0) {
@@ -960,6 +1046,11 @@ static PyMethodDef Worker_methods[] = {
     {"stop", (PyCFunction)Worker_stop, METH_NOARGS, Worker_stop_doc},
     {"tag_recv", (PyCFunction)(void (*)(void))Worker_tag_recv, METH_FASTCALL,
      Worker_tag_recv_doc},
+    {"tag_probe", (PyCFunction)(void (*)(void))Worker_tag_probe, METH_FASTCALL,
+     Worker_tag_probe_doc},
+    {"tag_recv_with_handle",
+     (PyCFunction)(void (*)(void))Worker_tag_recv_with_handle, METH_FASTCALL,
+     Worker_tag_recv_with_handle_doc},
     {"ep_from_address", (PyCFunction)(void (*)(void))Worker_ep_from_address,
      METH_VARARGS | METH_KEYWORDS, Worker_ep_from_address_doc},
     {"ep_from_sockaddr", (PyCFunction)(void (*)(void))Worker_ep_from_sockaddr,

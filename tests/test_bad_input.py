@@ -432,10 +432,11 @@ async def _(env):
 
 
 # ===================================================================== tags
-@row("tag-str", "ep.send(b'x', tag='1')", TypeError, "int")
+@row("tag-tuple", "ep.send(b'x', tag=('a',)) (a user tag is an int, str or bytes)",
+     TypeError, "int, str or bytes")
 async def _(env):
     ep, _sep = await env.pair()
-    return await catch(lambda: ep.send(b"x", tag="1"))
+    return await catch(lambda: ep.send(b"x", tag=("a",)))
 
 
 @row("tag-float", "ep.recv(buf, tag=1.5)", TypeError, "int")

@@ -1,4 +1,6 @@
-"""The Dask ``distributed`` comm backend (``ucxx.distributed``, scheme ``ucxx://``).
+"""The Dask ``distributed`` comm backend (``ucxx.distributed``), under its
+own scheme ``ucxx-c://`` (``ucxx://`` is the same backend unless
+distributed-ucxx is installed: tests/compat/test_dask_schemes.py).
 
 The generic comm checks below follow the ones of distributed's own test-suite
 (``distributed/comm/tests/test_comms.py`` and ``check_rpc`` of
@@ -43,7 +45,8 @@ from distributed.utils import get_ip  # noqa: E402
 import ucxx  # noqa: E402
 import ucxx.distributed as ud  # noqa: E402
 
-ADDR = "ucxx://127.0.0.1"
+SCHEME = ud.SCHEME_C  # "ucxx-c"
+ADDR = f"{SCHEME}://127.0.0.1"
 T = pytest.mark.timeout
 
 # conftest.py: no asyncio task, thread or fd may be left behind by a test
@@ -74,7 +77,7 @@ async def _ucxx_backend(monkeypatch):
     """Use the backend this checkout defines (the entry point of an installed
     copy could name another one) and check that the test left no comm or
     listener of the backend open (closes still in flight may finish)."""
-    monkeypatch.setitem(backends, "ucxx", ud.UCXXBackend())
+    monkeypatch.setitem(backends, SCHEME, ud.UCXXCBackend())
     yield
     for _ in range(250):
         gc.collect()
@@ -116,10 +119,13 @@ async def _no_ucxx_tasks():
 def test_entry_point():
     from importlib.metadata import entry_points
 
-    eps = [ep for ep in entry_points(group="distributed.comm.backends") if ep.name == "ucxx"]
-    assert eps, "the distributed.comm.backends entry point 'ucxx' is not installed"
-    assert eps[0].value == "ucxx.distributed:UCXXBackend"
-    assert eps[0].load() is ud.UCXXBackend
+    eps = {}
+    for ep in entry_points(group="distributed.comm.backends"):
+        if ep.value.startswith("ucxx.distributed:"):
+            eps[ep.name] = ep
+    assert set(eps) == {"ucxx", SCHEME}, "ucxx's distributed.comm.backends entry points"
+    assert eps[SCHEME].load() is ud.UCXXCBackend
+    assert eps["ucxx"].load() is ud.ucxx_scheme_backend
 
 
 @T(30)
@@ -163,11 +169,11 @@ def test_header_roundtrip():
 
 @T(30)
 def test_address_functions():
-    assert get_address_host("ucxx://127.0.0.1:123") == "127.0.0.1"
-    assert resolve_address("ucxx://localhost:456") == "ucxx://127.0.0.1:456"
-    assert resolve_address("ucxx://0.0.0.0:456") == "ucxx://0.0.0.0:456"
-    assert get_local_address_for("ucxx://127.0.0.1:80") == "ucxx://127.0.0.1"
-    assert get_backend("ucxx").get_address_host_port("127.0.0.1:9") == ("127.0.0.1", 9)
+    assert get_address_host(f"{SCHEME}://127.0.0.1:123") == "127.0.0.1"
+    assert resolve_address(f"{SCHEME}://localhost:456") == f"{SCHEME}://127.0.0.1:456"
+    assert resolve_address(f"{SCHEME}://0.0.0.0:456") == f"{SCHEME}://0.0.0.0:456"
+    assert get_local_address_for(f"{SCHEME}://127.0.0.1:80") == f"{SCHEME}://127.0.0.1"
+    assert get_backend(SCHEME).get_address_host_port("127.0.0.1:9") == ("127.0.0.1", 9)
 
 
 # --------------------------------------------------------------------------
@@ -217,7 +223,7 @@ async def check_client_server(addr, check_listen_addr=None, check_contact_addr=N
     listener = await listen(addr, handle_comm, xxx="bar")
     bound_addr = listener.listen_address
     bound_scheme, bound_loc = parse_address(bound_addr)
-    assert bound_scheme == "ucxx"
+    assert bound_scheme == SCHEME
     if check_listen_addr is not None:
         check_listen_addr(bound_loc)
     contact_addr = listener.contact_address
@@ -533,9 +539,9 @@ async def test_client_server():
     ip = get_ip()
     await check_client_server(ADDR, tcp_eq("127.0.0.1"))
     port = _free_port()
-    await check_client_server(f"ucxx://127.0.0.1:{port}", tcp_eq("127.0.0.1", port))
-    await check_client_server("ucxx://0.0.0.0", tcp_eq("0.0.0.0"), tcp_eq(ip))
-    await check_client_server("ucxx://", tcp_eq("0.0.0.0"), tcp_eq(ip))
+    await check_client_server(f"{SCHEME}://127.0.0.1:{port}", tcp_eq("127.0.0.1", port))
+    await check_client_server(f"{SCHEME}://0.0.0.0", tcp_eq("0.0.0.0"), tcp_eq(ip))
+    await check_client_server(f"{SCHEME}://", tcp_eq("0.0.0.0"), tcp_eq(ip))
     await _no_ucxx_tasks()
 
 
@@ -554,20 +560,20 @@ async def test_comm_closed_explicit():
 @T(60)
 @pytest.mark.asyncio
 async def test_connect_timeout():
-    await check_connect_timeout("ucxx://127.0.0.1:44444")
+    await check_connect_timeout(f"{SCHEME}://127.0.0.1:44444")
 
 
 @T(60)
 @pytest.mark.asyncio
 async def test_many_listeners():
     await check_many_listeners(ADDR)
-    await check_many_listeners("ucxx://0.0.0.0", n=20)
+    await check_many_listeners(f"{SCHEME}://0.0.0.0", n=20)
 
 
 @T(60)
 @pytest.mark.asyncio
 async def test_deserialize():
-    await check_deserialize("ucxx://")
+    await check_deserialize(f"{SCHEME}://")
 
 
 @T(60)
@@ -598,7 +604,7 @@ async def test_repr_and_addresses():
 @pytest.mark.asyncio
 async def test_rpc():
     await check_rpc(ADDR)
-    await check_rpc("ucxx://:0", None)
+    await check_rpc(f"{SCHEME}://:0", None)
     await _no_ucxx_tasks()
 
 
@@ -614,9 +620,9 @@ async def test_upstream_checks():
     await upstream.check_client_server(ADDR, upstream.tcp_eq("127.0.0.1"))
     await upstream.check_comm_closed_implicit(ADDR)
     await upstream.check_comm_closed_explicit(ADDR)
-    await upstream.check_connect_timeout("ucxx://127.0.0.1:44444")
+    await upstream.check_connect_timeout(f"{SCHEME}://127.0.0.1:44444")
     await upstream.check_many_listeners(ADDR)
-    await upstream.check_deserialize("ucxx://")
+    await upstream.check_deserialize(f"{SCHEME}://")
     await upstream.check_deserialize_roundtrip(ADDR)
     try:
         from distributed.tests.test_core import check_rpc as upstream_check_rpc
@@ -638,17 +644,23 @@ async def test_frames_one_gather_each_way():
     frames and large frames go through unchanged."""
     import numpy as np
 
+    from contextlib import ExitStack
+    from unittest import mock
+
     a, b = await get_comm_pair(ADDR)
     calls = {"gather_send": 0, "send": 0, "gather_recv": 0}
+    patches = ExitStack()
 
     def counting(ep, name):
-        orig = getattr(ep, name)
+        # The transfer methods are on the class: patch it, count ep's calls.
+        orig = getattr(ucxx.Endpoint, name)
 
-        def wrapper(*args, **kwargs):
-            calls[name] += 1
-            return orig(*args, **kwargs)
+        def wrapper(self, *args, **kwargs):
+            if self is ep:
+                calls[name] += 1
+            return orig(self, *args, **kwargs)
 
-        setattr(ep, name, wrapper)
+        patches.enter_context(mock.patch.object(ucxx.Endpoint, name, wrapper))
 
     counting(a._ep, "gather_send")
     counting(a._ep, "send")
@@ -678,6 +690,7 @@ async def test_frames_one_gather_each_way():
             else:
                 np.testing.assert_array_equal(big, got["big"])
     finally:
+        patches.close()
         await a.close()
         await b.close()
 
@@ -767,7 +780,7 @@ async def test_device_frame_without_allocator(monkeypatch):
 @T(60)
 @pytest.mark.asyncio
 async def test_connect_refused_is_oserror():
-    connector = get_backend("ucxx").get_connector()
+    connector = get_backend(SCHEME).get_connector()
     with pytest.raises(OSError):
         await asyncio.wait_for(connector.connect("127.0.0.1:44445"), 10)
 
@@ -780,7 +793,7 @@ async def test_listen_port_in_use():
 
     async with listen(ADDR, handle_comm) as listener:
         port = listener.port
-        other = listen(f"ucxx://127.0.0.1:{port}", handle_comm)
+        other = listen(f"{SCHEME}://127.0.0.1:{port}", handle_comm)
         with pytest.raises(OSError):
             await other.start()
 
@@ -856,19 +869,19 @@ async def test_local_cluster_merge_and_shuffle():
     left, right = _frames()
     expected = _sorted(left.merge(right, on="key"), ["key", "a"])
     async with LocalCluster(
-        protocol="ucxx",
+        protocol=SCHEME,
         n_workers=2,
         threads_per_worker=1,
         processes=True,
         dashboard_address=":0",
         asynchronous=True,
     ) as cluster:
-        assert cluster.scheduler_address.startswith("ucxx://")
+        assert cluster.scheduler_address.startswith(f"{SCHEME}://")
         async with Client(cluster, asynchronous=True) as client:
             await client.wait_for_workers(2)
             workers = await client.run(os.getpid)
             assert len(workers) == 2
-            assert all(w.startswith("ucxx://") for w in workers)
+            assert all(w.startswith(f"{SCHEME}://") for w in workers)
             ddl = dd.from_pandas(left, npartitions=6)
             ddr = dd.from_pandas(right, npartitions=4)
             for method in ("tasks", "p2p"):
@@ -887,7 +900,7 @@ async def test_local_cluster_merge_and_shuffle():
                 )
             # Worker-to-worker transfers happened over ucxx
             bw = await client.run_on_scheduler(lambda dask_scheduler: dict(dask_scheduler.bandwidth_workers))
-            assert all(a.startswith("ucxx://") and b.startswith("ucxx://") for a, b in bw)
+            assert all(a.startswith(f"{SCHEME}://") and b.startswith(f"{SCHEME}://") for a, b in bw)
     await _no_ucxx_tasks()
 
 
@@ -905,7 +918,7 @@ async def test_worker_killed_mid_computation():
     from distributed import Client, LocalCluster
 
     async with LocalCluster(
-        protocol="ucxx",
+        protocol=SCHEME,
         n_workers=2,
         threads_per_worker=1,
         processes=True,
@@ -957,7 +970,7 @@ async def test_cluster_start_stop_no_leaks():
 
     async def cycle():
         async with LocalCluster(
-            protocol="ucxx",
+            protocol=SCHEME,
             n_workers=2,
             threads_per_worker=1,
             processes=False,

@@ -413,7 +413,11 @@ async def test_bad_tags(local_tcp):
     with pytest.raises(ValueError):
         ep.tag_send(b"x", 1 << 64)
     with pytest.raises(TypeError):
-        ep.send(b"x", tag="a")
+        ep.send(b"x", tag=1.5)  # a user tag is an int, str or bytes
+    with pytest.raises(TypeError):
+        ep.send(b"x", tag=("a",))
+    with pytest.raises(TypeError):
+        ep.send(b"x", tag="a", force_tag=True)  # a forced tag is the UCX tag
     assert w.npending == 0
     await _check_still_works(w, ep)
 

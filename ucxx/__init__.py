@@ -67,7 +67,7 @@ def _check_ucx_version():
 __ucx_version__ = _check_ucx_version()
 __ucx_library__ = _loaded_ucx_path() or _UCX_SOURCE
 
-from . import exceptions  # noqa: E402
+from . import exceptions, testing, types  # noqa: E402
 from .core import *  # noqa: E402,F401,F403
 from .core import (  # noqa: E402,F401
     ApplicationContext,
@@ -82,6 +82,7 @@ from .core import (  # noqa: E402,F401
     get_ucp_context_info,
     get_ucp_worker,
     get_ucp_worker_info,
+    get_ucxx_worker,
     get_ucx_address_from_buffer,
     get_ucx_version,
     get_worker_address,

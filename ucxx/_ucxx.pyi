@@ -46,9 +46,31 @@ class UCXRejectedError(UCXError): ...
 class UCXNoDeviceError(UCXError): ...
 class UCXEndpointTimeoutError(UCXError): ...
 class UCXBufferTooSmallError(UCXError): ...
+class UCXAlreadyExistsError(UCXError): ...
+class UCXExceedsLimitError(UCXError): ...
+class UCXFirstEndpointFailureError(UCXError): ...
+class UCXFirstLinkFailureError(UCXError): ...
+class UCXIOError(UCXError): ...
+class UCXInvalidAddrError(UCXError): ...
+class UCXLastEndpointFailureError(UCXError): ...
+class UCXLastLinkFailureError(UCXError): ...
+class UCXNoElemError(UCXError): ...
+class UCXNoMessageError(UCXError): ...
+class UCXNoProgressError(UCXError): ...
+class UCXNotImplementedError(UCXError): ...
+class UCXOutOfRangeError(UCXError): ...
+class UCXShmemSegmentError(UCXConnectionResetError):
+    """UCS_ERR_SHMEM_SEGMENT: a shared-memory peer died (so also a
+    UCXConnectionResetError)."""
+class UCXSomeConnectsFailedError(UCXError): ...
+class UCXInvalidOptionError(UCXConfigError, UCXInvalidParamError):
+    """A UCX option name or value UCX refused (Context, get_config)."""
 
 def get_ucx_version() -> tuple[int, int, int]:
     """Version of the UCX library loaded at run time (no context created)."""
+
+def _status_exception(status: int, /) -> UCXError:
+    """The exception a UCX error status (negative ``ucs_status_t``) becomes."""
 
 def get_config(options: dict[str, str] | None = None) -> dict[str, str]:
     """UCX configuration as ``{NAME: value}`` without the ``UCX_`` prefix,
@@ -181,6 +203,15 @@ class Worker:
         self, buf: Buffer, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF, /
     ) -> Request:
         """Receive into a writable C-contiguous buffer from any endpoint."""
+    def tag_probe(
+        self, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF, remove: bool = False, /
+    ) -> tuple[int, int, Any] | None:
+        """``ucp_tag_probe_nb``: None if no matching message has arrived,
+        else ``(sender_tag, length, handle)``; ``handle`` (remove=True only,
+        else None) is for :meth:`tag_recv_with_handle`. Does not progress."""
+    def tag_recv_with_handle(self, buf: Buffer, handle: Any, /) -> Request:
+        """``ucp_tag_msg_recv_nbx`` of the message a probe with remove=True
+        took from the queue; each handle once, on its own worker."""
     def ep_from_address(
         self, address: bytes, error_handling: bool = True
     ) -> Endpoint:
@@ -213,7 +244,9 @@ class Worker:
 
 @final
 class Endpoint:
-    """A ``ucp_ep_h``. Created by Worker or Listener, never directly."""
+    """A ``ucp_ep_h``. Created by Worker or Listener, never directly. A
+    subclass adding no instance layout (``__slots__ = ()``) may be assigned
+    to ``__class__`` (``ucxx.Endpoint`` is one)."""
 
     worker: Worker
     # Tags used by send()/recv() when tag is None; set by the handshake.
@@ -236,10 +269,10 @@ class Endpoint:
     @property
     def error(self) -> UCXError | None:
         """The peer's error as an exception instance, or None."""
-    def send(self, buf: Buffer, tag: int | None = None, force_tag: bool = False) -> Request:
-        """Tagged send. tag None: ``send_tag``; else ``tag`` mixed with
-        ``send_tag`` unless ``force_tag``."""
-    def recv(self, buf: Buffer, tag: int | None = None, force_tag: bool = False) -> Request:
+    def send(self, buf: Buffer, tag: int | str | bytes | None = None, force_tag: bool = False) -> Request:
+        """Tagged send. tag None: ``send_tag``; else ``tag`` (an int, or a
+        str/bytes name) mixed with ``send_tag`` unless ``force_tag``."""
+    def recv(self, buf: Buffer, tag: int | str | bytes | None = None, force_tag: bool = False) -> Request:
         """Tagged receive (full mask) on ``recv_tag`` (or mixed/forced tag)."""
     def tag_send(self, buf: Buffer, tag: int, /) -> Request: ...
     def tag_recv(self, buf: Buffer, tag: int, mask: int = 0xFFFFFFFFFFFFFFFF, /) -> Request:
@@ -266,6 +299,17 @@ class Endpoint:
         """Next active message from this endpoint (queued until received)."""
     def set_close_callback(self, callback: Callable[[], object] | None, /) -> None:
         """Called once, from the loop, when the endpoint closes or fails."""
+    def recv_tag_for(self, tag: int | str | bytes | None = None, force_tag: bool = False) -> int:
+        """The UCX tag ``recv(buf, tag, force_tag)`` matches."""
+    def am_probe(self) -> bool:
+        """An active message from this endpoint waits for ``am_recv()``."""
+    def raise_on_error(self) -> None:
+        """Raise the endpoint's peer error (typed UCXError), if any."""
+    @property
+    def recv_count(self) -> int:
+        """Receives posted by ``recv()`` and ``am_recv()``."""
+    # The asyncio layer's per-endpoint state (ucxx.Endpoint); None at first.
+    _state: Any
     def close(self) -> Request:
         """Graceful (flush) close; awaitable. Pending receives fail with
         UCXCanceledError. Idempotent."""

@@ -10,6 +10,7 @@ from ._lib_async import ApplicationContext
 from ._lib_async.application_context import effective_options, get_active_transports as _transports
 from ._lib_async.endpoint import Endpoint
 from ._lib_async.listener import Listener
+from ._lib_async.utils import UCXAddress
 from .exceptions import UCXError
 
 logger = logging.getLogger("ucx")
@@ -33,6 +34,7 @@ __all__ = [
     "get_active_transports",
     "stop_notifier_thread",
     "get_ucp_worker",
+    "get_ucxx_worker",
     "Endpoint",
     "Listener",
     "ApplicationContext",
@@ -40,6 +42,11 @@ __all__ = [
 
 # The one application context of this process; None until first needed.
 _ctx: ApplicationContext | None = None
+
+# Contexts a reset() could not close because the application still held
+# open endpoints or listeners of theirs; closed by a later reset() once
+# those are gone (see docs/DECISIONS.md, "reset()").
+_retired: list[ApplicationContext] = []
 
 
 def _get_ctx() -> ApplicationContext:
@@ -54,9 +61,10 @@ def init(
     options={},
     env_takes_precedence=False,
     progress_mode=None,
+    enable_delayed_submission=None,
+    enable_python_future=None,
     connect_timeout=None,
     spin_us=None,
-    **kwargs,
 ) -> None:
     """Initialise UCX with explicit settings.
 
@@ -65,13 +73,20 @@ def init(
 
     options: dict
         UCX options, names without the ``UCX_`` prefix (``{"TLS": "tcp"}``).
-        Unknown names raise UCXConfigError.
+        A name or value UCX refuses raises UCXInvalidOptionError (a
+        UCXConfigError and a UCXInvalidParamError).
     env_takes_precedence: bool
         If True, an option also set in the environment (``UCX_TLS``) takes
         the environment's value.
     progress_mode: str
         ``"blocking"`` (default), ``"polling"``, ``"thread"`` or
         ``"thread-polling"``; None: ``$UCXPY_PROGRESS_MODE``, else blocking.
+    enable_delayed_submission, enable_python_future: bool
+        RAPIDS ucxx's capability flags (None: ``$UCXPY_ENABLE_DELAYED_SUBMISSION``
+        / ``$UCXPY_ENABLE_PYTHON_FUTURE``). Accepted in every progress mode
+        and recorded on the worker; they change nothing here: transfers are
+        always posted at once, completions always resolve asyncio futures
+        (docs/COMPAT.md).
     connect_timeout: float
         Seconds the connection handshake may take; None:
         ``$UCXPY_CONNECT_TIMEOUT``, else 5.
@@ -82,9 +97,6 @@ def init(
         to 0 while waits are long (capped at 200 us; an idle process does
         not spin). 0 never spins. None: ``$UCXPY_SPIN_US``, else ``"auto"``
         (polling mode: a fixed 100). See docs/ENGINE.md.
-
-    ``enable_delayed_submission`` and ``enable_python_future`` (RAPIDS
-    options) are accepted and ignored.
     """
     global _ctx
     if _ctx is not None:
@@ -92,37 +104,50 @@ def init(
             "UCX is already initiated. Call reset() and init() "
             "in order to re-initate UCX with new options."
         )
-    for name in kwargs:
-        if name not in ("enable_delayed_submission", "enable_python_future"):
-            raise TypeError(f"init() got an unexpected keyword argument {name!r}")
     _ctx = ApplicationContext(
         options,
         env_takes_precedence=env_takes_precedence,
         progress_mode=progress_mode,
         connect_timeout=connect_timeout,
         spin_us=spin_us,
+        enable_delayed_submission=enable_delayed_submission,
+        enable_python_future=enable_python_future,
     )
+
+
+def _close_retired() -> None:
+    for ctx in list(_retired):
+        if ctx.live_objects():
+            logger.debug("reset(): %r still has open endpoints/listeners", ctx)
+            continue
+        _retired.remove(ctx)
+        ctx.close()
 
 
 def reset() -> None:
     """Shut UCX down; the next API call creates a new context.
 
-    Raises UCXError, naming them, if endpoints or listeners of the current
-    context are still open (close them first); the context is then kept.
+    If endpoints or listeners of the current context are still open (and
+    referenced), raises UCXError naming them. The context is detached all
+    the same: the next API call gets a new one, and the old one is closed by
+    a later ``reset()`` once those objects are closed or dropped.
     """
     global _ctx
-    ctx = _ctx
+    ctx, _ctx = _ctx, None
+    _close_retired()
     if ctx is None:
         return
     alive = ctx.live_objects()
     if alive:
+        _retired.append(ctx)
         lines = "".join(f"\n  {o!r}" for o in alive)
+        # The error's traceback keeps this frame: not the objects it names.
+        alive = ctx = None
         raise UCXError(
             "Trying to reset UCX but not all Endpoints and/or Listeners are "
             "closed(). The following objects are still referencing "
             f"ApplicationContext:{lines}"
         )
-    _ctx = None
     ctx.close()
 
 
@@ -154,9 +179,9 @@ def progress() -> int:
     return _get_ctx().worker.progress()
 
 
-def continuous_ucx_progress(loop=None, event_loop=None):
-    """Make sure the worker is progressed by ``loop`` (default: the running
-    loop). Returns the progress task."""
+def continuous_ucx_progress(event_loop=None, loop=None):
+    """Make sure the worker is progressed by ``event_loop`` (default: the
+    running loop, else the current one). Returns the progress task."""
     return _get_ctx().continuous_ucx_progress(loop=loop or event_loop)
 
 
@@ -193,7 +218,7 @@ def register_am_allocator(allocator, allocator_type="host") -> None:
     """Allocate received active messages of ``allocator_type`` ("host" or
     "cuda") with ``allocator(nbytes)`` (it must return a writable buffer, or
     an object with ``__cuda_array_interface__`` for "cuda"). The host default
-    is ``bytearray``."""
+    is a numpy ``uint8`` array (``numpy.empty(nbytes, dtype=numpy.uint8)``)."""
     types = {"host": _ucxx.MEMORY_TYPE_HOST, "cuda": _ucxx.MEMORY_TYPE_CUDA}
     if allocator_type not in types:
         raise ValueError(
@@ -202,15 +227,15 @@ def register_am_allocator(allocator, allocator_type="host") -> None:
     _get_ctx().worker.register_am_allocator(types[allocator_type], allocator)
 
 
-def get_worker_address() -> bytes:
-    """This process's UCX worker address (give it to a peer's
-    ``create_endpoint_from_worker_address``)."""
+def get_worker_address() -> UCXAddress:
+    """This process's UCX worker address, a ``bytes`` subclass (give it to
+    a peer's ``create_endpoint_from_worker_address``)."""
     return _get_ctx().worker_address
 
 
-def get_ucx_address_from_buffer(buffer) -> bytes:
+def get_ucx_address_from_buffer(buffer) -> UCXAddress:
     """A worker address from its serialized form (any bytes-like)."""
-    return bytes(buffer)
+    return UCXAddress.create_from_buffer(buffer)
 
 
 async def recv(buffer, tag):
@@ -237,6 +262,12 @@ def get_active_transports() -> set:
 def get_ucp_worker() -> int:
     """The ``ucp_worker_h`` as an int."""
     return _get_ctx().ucp_worker
+
+
+def get_ucxx_worker() -> int:
+    """The address of the worker object as an int (RAPIDS ucxx: of its
+    ``ucxx::Worker``)."""
+    return _get_ctx().ucxx_worker
 
 
 create_listener.__doc__ = ApplicationContext.create_listener.__doc__

@@ -1,10 +1,13 @@
-"""A Dask ``distributed`` comm backend on ucxx: the ``ucxx://`` scheme.
+"""A Dask ``distributed`` comm backend on ucxx: the ``ucxx-c://`` scheme,
+and ``ucxx://`` unless distributed-ucxx is installed.
 
 Install the package with the ``dask`` extra; ``distributed`` finds the backend
-through the ``distributed.comm.backends`` entry point (``ucxx =
-ucxx.distributed:UCXXBackend``), so ``LocalCluster(protocol="ucxx")``,
-``dask scheduler --protocol ucxx`` and ``Client("ucxx://host:port")`` work
-without importing anything. See ``docs/DASK.md``.
+through the ``distributed.comm.backends`` entry points (``ucxx-c`` and
+``ucxx``), so ``LocalCluster(protocol="ucxx-c")``, ``dask scheduler
+--protocol ucxx-c`` and ``Client("ucxx-c://host:port")`` work without
+importing anything. distributed-ucxx claims ``ucxx://`` as well; when it is
+installed, ``ucxx://`` is distributed-ucxx's (running on this package), see
+"Schemes" at the end and ``docs/DASK.md``.
 
 Wire format: one dask message is one multi-frame message of the package's
 one format (``ucxx._lib_async.frames``, docs/PROTOCOL.md "Multi-frame
@@ -51,8 +54,10 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "UCXX",
     "UCXXBackend",
+    "UCXXCBackend",
     "UCXXConnector",
     "UCXXListener",
+    "ucxx_scheme_backend",
     "HEADER_SIZE",
     "pack_header",
     "unpack_header",
@@ -216,8 +221,11 @@ def _release_idle() -> None:
         return
     if _owns_context:
         try:
+            if ctx.live_objects():  # endpoints/listeners of someone else
+                logger.debug("ucxx context kept after the last comm: still in use")
+                return
             ucxx.reset()
-        except Exception as e:  # endpoints/listeners of someone else
+        except Exception as e:  # pragma: no cover - defensive
             logger.debug("ucxx.reset() after the last comm: %s", e)
         else:
             _owns_context = False
@@ -850,13 +858,16 @@ class UCXXListener(BaseListener):
 
 
 class UCXXBackend(Backend):
-    """The ``ucxx://`` scheme."""
+    """This package's backend under the ``ucxx://`` scheme."""
+
+    connector_class = UCXXConnector
+    listener_class = UCXXListener
 
     def get_connector(self) -> UCXXConnector:
-        return UCXXConnector()
+        return self.connector_class()
 
     def get_listener(self, loc, handle_comm, deserialize, **connection_args) -> UCXXListener:
-        return UCXXListener(loc, handle_comm, deserialize, **connection_args)
+        return self.listener_class(loc, handle_comm, deserialize, **connection_args)
 
     def get_address_host(self, loc: str) -> str:
         return parse_host_port(loc)[0]
@@ -871,3 +882,45 @@ class UCXXBackend(Backend):
     def get_local_address_for(self, loc: str) -> str:
         host, port = parse_host_port(loc)
         return unparse_host_port(_local_address_for(ensure_ip(host)), None)
+
+
+# --------------------------------------------------------------------------
+# Schemes (docs/DASK.md, "Schemes")
+# --------------------------------------------------------------------------
+#
+# distributed-ucxx (RAPIDS' Dask backend, which runs on this package's API)
+# registers ``ucx://`` and ``ucxx://`` too, and distributed takes whichever
+# ``ucxx`` entry point it finds first. So that the choice does not depend on
+# that order, this package's ``ucxx`` entry point is :func:`ucxx_scheme_backend`,
+# which defers to distributed-ucxx when it is installed; this backend is
+# always reachable as ``ucxx-c://``.
+
+SCHEME_C = "ucxx-c"
+
+
+class UCXXCConnector(UCXXConnector):
+    prefix = SCHEME_C + "://"
+
+
+class UCXXCListener(UCXXListener):
+    prefix = UCXXCConnector.prefix
+
+
+class UCXXCBackend(UCXXBackend):
+    """This package's backend under the ``ucxx-c://`` scheme (the same
+    comms as :class:`UCXXBackend`; only the addresses differ)."""
+
+    connector_class = UCXXCConnector
+    listener_class = UCXXCListener
+
+
+def ucxx_scheme_backend() -> Backend:
+    """The backend of the ``ucxx://`` scheme (this package's entry point):
+    distributed-ucxx's (its ``ucxx://`` prefix, on this package's engine)
+    when distributed-ucxx is installed, since it claims the scheme too,
+    else this package's :class:`UCXXBackend`."""
+    try:
+        import distributed_ucxx
+    except ImportError:
+        return UCXXBackend()
+    return distributed_ucxx.UCXXBackendLegacyPrefix()

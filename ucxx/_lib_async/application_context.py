@@ -15,11 +15,12 @@ import weakref
 
 from .. import _ucxx
 from ..exceptions import UCXError
+from ..types import Tag
 from . import multi
-from .endpoint import Endpoint
+from .endpoint import Endpoint, TagProbeResult, _probe_handle
 from .exchange_peer_info import exchange_peer_info, new_tag
-from .listener import Listener, _ListenerState
-from .utils import get_event_loop
+from .listener import ActiveClients, Listener, _ListenerState
+from .utils import UCXAddress, get_event_loop
 
 logger = logging.getLogger("ucx")
 
@@ -177,6 +178,21 @@ def _resolve_host(host, port) -> str:
     raise ValueError(f"invalid address {host!r}: no IPv4/IPv6 address")
 
 
+def _env_flag(name: str):
+    """True/False from ``$name`` ("0" is False), None if unset."""
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    return value != "0"
+
+
+class Worker(_ucxx.Worker):
+    """The context's worker: the C worker, plus the two RAPIDS capability
+    flags, recorded as given (see ``ApplicationContext``)."""
+
+    __slots__ = ("enable_delayed_submission", "enable_python_future")
+
+
 def _address_bytes(address) -> bytes:
     if isinstance(address, bytes):
         return address
@@ -204,8 +220,22 @@ class ApplicationContext:
         progress_mode=None,
         connect_timeout=None,
         spin_us=None,
+        enable_delayed_submission=None,
+        enable_python_future=None,
     ):
         self.progress_mode = _resolve_progress_mode(progress_mode)
+        # RAPIDS ucxx's capability flags: accepted in every progress mode and
+        # recorded; neither changes anything here (docs/COMPAT.md).
+        if enable_delayed_submission is None:
+            enable_delayed_submission = _env_flag("UCXPY_ENABLE_DELAYED_SUBMISSION")
+        if enable_delayed_submission is None:
+            enable_delayed_submission = self.progress_mode.startswith("thread")
+        if enable_python_future is None:
+            enable_python_future = bool(_env_flag("UCXPY_ENABLE_PYTHON_FUTURE"))
+        self.enable_delayed_submission = bool(enable_delayed_submission)
+        self.enable_python_future = bool(enable_python_future)
+        self._listener_active_clients = ActiveClients()
+        self._next_listener_id = 0
         self.spin_us = _resolve_spin(spin_us)
         self.connect_timeout = _resolve_float(
             connect_timeout, "UCXPY_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT,
@@ -221,12 +251,27 @@ class ApplicationContext:
             self.options, env_takes_precedence=bool(env_takes_precedence)
         )
         try:
-            self.worker = _ucxx.Worker(
+            self.worker = Worker(
                 self.context, progress_mode=self.progress_mode, spin_us=self.spin_us
             )
         except BaseException:
             self.context.close()
             raise
+        self.worker.enable_delayed_submission = self.enable_delayed_submission
+        self.worker.enable_python_future = self.enable_python_future
+        # Active messages arrive as numpy uint8 arrays, as in RAPIDS ucxx
+        # (np.empty is C: no Python frame per message).
+        import numpy as np
+
+        self.worker.register_am_allocator(
+            _ucxx.MEMORY_TYPE_HOST, functools.partial(np.empty, dtype=np.uint8)
+        )
+        logger.info(
+            "UCX context created: UCX %s, progress mode %r, TLS %s",
+            ".".join(map(str, _ucxx.get_ucx_version())),
+            self.progress_mode,
+            self.context.config.get("TLS", "?"),
+        )
         # Progress right away when created inside a running loop, so that a
         # peer can reach this worker by address before any local call.
         try:
@@ -252,14 +297,20 @@ class ApplicationContext:
 
     @property
     def ucp_worker(self) -> int:
+        """The ``ucp_worker_h`` as an int."""
         return self.worker.handle
 
     @property
-    def worker_address(self) -> bytes:
-        return self.worker.address
+    def ucxx_worker(self) -> int:
+        """The address of the worker object (RAPIDS: its ``ucxx::Worker``)."""
+        return id(self.worker)
 
-    def get_worker_address(self) -> bytes:
-        return self.worker.address
+    @property
+    def worker_address(self) -> UCXAddress:
+        return UCXAddress(self.worker.address)
+
+    def get_worker_address(self) -> UCXAddress:
+        return UCXAddress(self.worker.address)
 
     def get_config(self) -> dict:
         return self.config
@@ -273,9 +324,13 @@ class ApplicationContext:
         task.add_done_callback(self._tasks.discard)
 
     def live_objects(self) -> list:
-        """Endpoints and listeners of this context that are still open."""
+        """Endpoints and listeners of this context still in use: referenced
+        by the application and not closed by it (an endpoint whose peer
+        failed counts until it is closed or aborted, as in RAPIDS ucxx; one
+        the peer closed does not; one the application dropped is collected,
+        or is closing by itself)."""
         gc.collect()
-        out = [ep for ep in list(self._endpoints) if not ep.closed]
+        out = [ep for ep in list(self._endpoints) if ep._in_use]
         out += [lst for lst in list(self._listeners) if not lst._listener.closed]
         return out
 
@@ -289,6 +344,18 @@ class ApplicationContext:
 
     def progress(self) -> int:
         return self.worker.progress()
+
+    def clear_progress_tasks(self) -> None:
+        """RAPIDS ucxx forgets its per-loop progress tasks here. The progress
+        coroutine here is one per worker and loop and lives as long as the
+        worker (``reset()`` ends it), so there is nothing to forget; calling
+        ``continuous_ucx_progress()`` again is harmless."""
+        logger.debug("clear_progress_tasks(): progress stays with the worker")
+
+    def start_notifier_thread(self) -> None:
+        """Kept for compatibility: completions resolve asyncio futures
+        directly, there is no notifier thread to start."""
+        logger.debug("start_notifier_thread(): no notifier thread")
 
     def stop_notifier_thread(self) -> None:
         """Kept for compatibility: this implementation has no notifier
@@ -326,7 +393,12 @@ class ApplicationContext:
         if connect_timeout is not None:
             timeout = _resolve_float(connect_timeout, "", None, "connect_timeout", False)
         self.continuous_ucx_progress()
-        state = _ListenerState(self, callback_func, endpoint_error_handling, timeout)
+        ident = self._next_listener_id
+        self._next_listener_id += 1
+        state = _ListenerState(
+            self, callback_func, endpoint_error_handling, timeout, ident,
+            self._listener_active_clients,
+        )
         c_listener = self.worker.listen(
             state.on_connection,
             port=port,
@@ -335,7 +407,7 @@ class ApplicationContext:
         )
         listener = Listener(c_listener, state)
         self._listeners.add(listener)
-        logger.debug("create_listener(): listening on %s:%d", listener.ip, listener.port)
+        logger.info("create_listener(): listening on %s:%d", listener.ip, listener.port)
         return listener
 
     async def create_endpoint(
@@ -357,19 +429,23 @@ class ApplicationContext:
             raise type(e)(f"cannot connect to {where}: {e}") from e
         recv_tag, ctrl_tag = new_tag(), new_tag()
         peer = await exchange_peer_info(
-            c_ep, recv_tag, ctrl_tag, timeout, peer=f"the listener at {where}"
+            c_ep, recv_tag, ctrl_tag, listener=False, connect_timeout=timeout,
+            peer=f"the listener at {where}",
         )
+        tags = {
+            "msg_send": peer["msg_tag"],
+            "msg_recv": recv_tag,
+            "ctrl_send": peer["ctrl_tag"],
+            "ctrl_recv": ctrl_tag,
+        }
         try:
-            c_ep.send_tag = peer.recv_tag
-            c_ep.recv_tag = recv_tag
-            ep = Endpoint(c_ep, self, ctrl_send_tag=peer.ctrl_tag, ctrl_recv_tag=ctrl_tag)
+            ep = Endpoint(c_ep, self, tags)
         except BaseException:
             c_ep.abort()
             raise
-        self._track_endpoint(ep)
         logger.debug(
             "create_endpoint(): %#x to %s (send tag %#x, recv tag %#x)",
-            c_ep.uid, where, peer.recv_tag, recv_tag,
+            c_ep.uid, where, tags["msg_send"], recv_tag,
         )
         return ep
 
@@ -382,17 +458,31 @@ class ApplicationContext:
         addr = _address_bytes(address)
         self.continuous_ucx_progress()
         c_ep = self.worker.ep_from_address(addr, error_handling=bool(endpoint_error_handling))
-        ep = Endpoint(c_ep, self)
-        self._track_endpoint(ep)
-        return ep
+        return Endpoint(c_ep, self)
 
     async def recv(self, buffer, tag):
         """Receive on the worker (from any endpoint) into ``buffer``, tag
-        matched exactly. Returns the number of bytes received."""
+        (an int or a :class:`ucxx.types.Tag`) matched exactly. Returns the
+        number of bytes received."""
         if isinstance(tag, bool) or not isinstance(tag, int):
             raise TypeError(f"tag must be an int, got {tag!r}")
         self.continuous_ucx_progress()
         return await self.worker.tag_recv(buffer, tag & 0xFFFFFFFFFFFFFFFF)
+
+    def tag_probe(self, tag, remove=False) -> TagProbeResult:
+        """Whether a message with exactly ``tag`` has arrived at the worker
+        (from any endpoint), without receiving it. With ``remove`` the
+        message leaves UCX's queue: receive it with :meth:`recv_with_handle`.
+        Does not progress the worker."""
+        if isinstance(tag, bool) or not isinstance(tag, int):
+            raise TypeError(f"tag must be an int, got {tag!r}")
+        return TagProbeResult(self.worker.tag_probe(Tag(tag & 0xFFFFFFFFFFFFFFFF), (1 << 64) - 1, bool(remove)))
+
+    async def recv_with_handle(self, buffer, probe_result):
+        """Receive the message a ``tag_probe(..., remove=True)`` took from
+        the queue into ``buffer``. Returns the number of bytes received."""
+        self.continuous_ucx_progress()
+        return await self.worker.tag_recv_with_handle(buffer, _probe_handle(probe_result))
 
     # ---------------------------------------------------------------- closing
     def close(self) -> None:

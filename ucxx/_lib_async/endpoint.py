@@ -1,9 +1,20 @@
-"""The public Endpoint: a thin wrapper around the C endpoint.
+"""The public Endpoint: a Python subclass of the C endpoint.
 
-The per-message methods (``send``, ``recv``, ``gather_send``,
-``gather_recv``, ``am_send``, ``am_recv``, ...) are the C endpoint's bound
-methods stored as instance attributes: ``await ep.send(buf)`` calls C
-directly and awaits the C Request, with no Python frame in between.
+A C endpoint (``ucxx._ucxx.Endpoint``, from a worker or a listener) becomes
+a public :class:`Endpoint` when the asyncio layer adopts it
+(``Endpoint(c_ep, ctx, tags)``): its class is switched to this subclass,
+which adds no instance layout (``__slots__ = ()``). The per-message methods
+(``send``, ``recv``, ``gather_send``, ``gather_recv``, ``am_send``,
+``am_recv``, ...) are therefore the C methods, found on the class: ``await
+ep.send(buf)`` calls C directly and awaits the C Request, with no Python
+frame in between, and ``unittest.mock.patch.object(ucxx.Endpoint, "send",
+...)`` or ``inspect.signature(ucxx.Endpoint.send)`` work as on any class.
+
+What the Python layer keeps per endpoint lives in one ``_EndpointState``
+object in the C endpoint's ``_state`` slot. Nothing the library keeps
+internally (the control-message watcher, the close callback) refers to the
+endpoint itself, so an endpoint the application dropped is collected (and
+aborted) like any object, which is what ``ucxx.reset()`` relies on.
 """
 
 from __future__ import annotations
@@ -15,9 +26,10 @@ import struct
 import weakref
 
 from .. import _ucxx
-from ..exceptions import UCXError, UCXMessageTruncatedError
+from ..types import Tag
+from ..exceptions import UCXCanceledError, UCXError, UCXMessageTruncatedError
 from . import multi
-from .utils import callable_bool
+from .utils import callable_bool, get_event_loop
 
 logger = logging.getLogger("ucx")
 
@@ -34,78 +46,130 @@ _CLOSE_ACK_MSG = _CTRL.pack(CTRL_MAGIC, CTRL_VERSION, CTRL_CLOSE_ACK, 0)
 
 _OBJ_HEADER = struct.Struct("<Q")
 
-
-def _close_by_peer(c_ep) -> None:
-    """Local abort after the peer announced its close. The C layer keeps
-    matching receives against messages that had already arrived."""
-    close_by_peer = getattr(c_ep, "_close_by_peer", None)
-    if close_by_peer is not None:
-        close_by_peer()
-    else:
-        c_ep.abort()
+_C = _ucxx.Endpoint
+_c_closed = _C.closed.__get__  # the C endpoint's own `closed`
+DEFAULT_CLOSE_TIMEOUT = 5.0
 
 
-async def _watch_ctrl(c_ep, ctrl_tag: int, peer_ctrl_tag: int, timeout: float, wref):
-    """Keep one receive posted on our control tag; act on what arrives.
+class _EndpointState:
+    """The asyncio layer's state of one public Endpoint (its ``_state``).
+    Refers to no endpoint: internal tasks and callbacks hold this object
+    (and a weak reference to the endpoint) instead."""
+
+    __slots__ = (
+        "ctx",
+        "timeout",
+        "ctrl_send_tag",
+        "ctrl_recv_tag",
+        "ctrl_task",
+        "ctrl_req",
+        "closing",
+        "dropped",
+        "closer",
+        "close_cb",
+        "close_cb_done",
+        "multi_lock",
+        "recv_multi_max_frames",
+        "recv_multi_max_bytes",
+        "close_after",
+        "finished_recv",
+        "__weakref__",
+    )
+
+    def __init__(self, ctx, ctrl_send_tag, ctrl_recv_tag):
+        self.ctx = ctx
+        self.timeout = ctx.connect_timeout if ctx is not None else DEFAULT_CLOSE_TIMEOUT
+        self.ctrl_send_tag = ctrl_send_tag
+        self.ctrl_recv_tag = ctrl_recv_tag
+        self.ctrl_task = None
+        self.ctrl_req = None
+        self.closing = False
+        self.dropped = False
+        self.closer = None
+        self.close_cb = None
+        self.close_cb_done = False
+        self.multi_lock = None
+        self.recv_multi_max_frames = getattr(ctx, "recv_multi_max_frames", multi.DEFAULT_MAX_FRAMES)
+        self.recv_multi_max_bytes = getattr(ctx, "recv_multi_max_bytes", multi.DEFAULT_MAX_BYTES)
+        self.close_after = None
+        self.finished_recv = 0
+
+    def stop_ctrl(self) -> None:
+        """Cancel the control receive (a worker-level receive: the endpoint
+        closing does not end it by itself)."""
+        req = self.ctrl_req
+        self.ctrl_req = None
+        if req is not None and not req.done():
+            req.cancel()
+
+
+def _on_c_close(state: _EndpointState) -> None:
+    """The C endpoint's close callback (run from the loop once it closed,
+    was aborted, failed or was collected): end the control watcher, then
+    run the application's callback."""
+    state.stop_ctrl()
+    state.close_cb_done = True
+    cb, state.close_cb = state.close_cb, None
+    if cb is not None:
+        cb()
+
+
+async def _watch_ctrl(req, buf, state: _EndpointState, wref):
+    """Wait for the receive ``req`` posted on our control tag; act on what
+    arrives in ``buf``.
 
     Returns the kind of control message received (CTRL_CLOSE or
-    CTRL_CLOSE_ACK), or None if the receive ended without one: the endpoint
-    was closed or aborted locally (UCXCanceledError), or the peer died
-    (UCXConnectionResetError, ...). ``Endpoint._close`` awaits this task to
-    learn that the peer has seen its close message.
+    CTRL_CLOSE_ACK), or None if the receive ended without one (the endpoint
+    closed, failed or was collected, or the loop shut down).
+    ``Endpoint._close`` awaits this task to learn that the peer has seen its
+    close message.
     """
-    buf = bytearray(CTRL_SIZE)
     try:
-        await c_ep.tag_recv(buf, ctrl_tag)
+        await req
     except UCXMessageTruncatedError:
-        logger.warning(
-            "Endpoint %#x: oversized control message from the peer; aborting",
-            c_ep.uid,
-        )
-        c_ep.abort()
+        ep = wref()
+        if ep is not None:
+            logger.warning(
+                "Endpoint %#x: oversized control message from the peer; aborting", ep.uid
+            )
+            ep.abort()
         return None
     except UCXError as e:
-        logger.debug("Endpoint %#x: control receive ended: %r", c_ep.uid, e)
+        logger.debug("control receive ended: %r", e)
         return None
     except asyncio.CancelledError:
         # The loop is shutting down: leave the endpoint to its owner.
+        state.stop_ctrl()
         return None
+    finally:
+        if state.ctrl_req is req:
+            state.ctrl_req = None
     magic, _version, kind, _ = _CTRL.unpack(buf)
+    ep = wref()
+    if ep is None:
+        return None
     if magic != CTRL_MAGIC or kind not in (CTRL_CLOSE, CTRL_CLOSE_ACK):
         logger.warning(
-            "Endpoint %#x: unknown control message %r; aborting", c_ep.uid, bytes(buf)
+            "Endpoint %#x: unknown control message %r; aborting", ep.uid, bytes(buf)
         )
-        c_ep.abort()
+        ep.abort()
         return None
-    ep = wref()
-    if kind == CTRL_CLOSE and not (ep is not None and ep._closing):
+    if kind == CTRL_CLOSE and not state.closing:
         # The peer closes: acknowledge (so it can close at once), then close
         # locally. Our pending receives fail with UCXCanceledError.
-        logger.debug("Endpoint %#x: peer closed the connection", c_ep.uid)
-        if ep is not None:
-            ep._closing = True
-        del ep
+        logger.debug("Endpoint %#x: peer closed the connection", ep.uid)
+        state.closing = True
         try:
-            await asyncio.wait_for(_await(c_ep.tag_send(_CLOSE_ACK_MSG, peer_ctrl_tag)), timeout)
+            await asyncio.wait_for(_await(_C.tag_send(ep, _CLOSE_ACK_MSG, state.ctrl_send_tag)), state.timeout)
         except (UCXError, asyncio.TimeoutError) as e:
-            logger.debug("Endpoint %#x: close ack not sent: %r", c_ep.uid, e)
-        _close_by_peer(c_ep)
+            logger.debug("Endpoint %#x: close ack not sent: %r", ep.uid, e)
+        _C._close_by_peer(ep)
     # CTRL_CLOSE_ACK, or the peer's CTRL_CLOSE while we are closing too: the
     # closing side (Endpoint._close) finishes the job.
     return kind
 
 
-def _finalize(c_ep) -> None:
-    """Abort the C endpoint when its wrapper is garbage-collected."""
-    try:
-        if not c_ep.closed:
-            logger.debug("Endpoint %#x collected while open: aborting", c_ep.uid)
-            c_ep.abort()
-    except Exception:  # pragma: no cover - interpreter shutdown
-        pass
-
-
-class Endpoint:
+class Endpoint(_ucxx.Endpoint):
     """A connection to a peer.
 
     Create one with ``ucxx.create_endpoint()``, ``ucxx.create_listener()``
@@ -115,8 +179,9 @@ class Endpoint:
     ``await ep.recv(buf, tag=None, force_tag=False)``: tagged transfer of
     one buffer (anything with the buffer protocol, or
     ``__cuda_array_interface__``). With ``tag=None`` the connection's tags
-    agreed in the handshake are used; a user tag is mixed with them unless
-    ``force_tag=True``. ``recv`` returns the number of bytes received.
+    agreed in the handshake are used; a user tag (an int, or a str/bytes
+    name) is mixed with them unless ``force_tag=True``. ``recv`` returns the
+    number of bytes received.
 
     ``await ep.gather_send(list)`` / ``await ep.gather_recv(list)``: several
     buffers as one operation (small host buffers as one IOV message; see
@@ -124,58 +189,108 @@ class Endpoint:
     have the sender's sizes and memory types.
     """
 
-    def __init__(self, c_ep, ctx=None, ctrl_send_tag=None, ctrl_recv_tag=None):
-        if not isinstance(c_ep, _ucxx.Endpoint):
-            raise TypeError("c_ep must be a ucxx._ucxx.Endpoint")
-        self._ep = c_ep
-        self._ctx = ctx
-        # Hot path: the C endpoint's methods, bound once.
-        self.send = c_ep.send
-        self.recv = c_ep.recv
-        self.tag_send = c_ep.tag_send
-        self.tag_recv = c_ep.tag_recv
-        self.gather_send = c_ep.gather_send
-        self.gather_recv = c_ep.gather_recv
-        self.stream_send = c_ep.stream_send
-        self.stream_recv = c_ep.stream_recv
-        self.am_send = c_ep.am_send
-        self.am_recv = c_ep.am_recv
+    __slots__ = ()
 
-        self._ctrl_send_tag = ctrl_send_tag
-        self._ctrl_recv_tag = ctrl_recv_tag
-        self._ctrl_task: asyncio.Task | None = None
-        self._closing = False
-        self._close_task: asyncio.Future | None = None
-        self._close_cb = None
-        self._multi_lock: asyncio.Lock | None = None
-        self.recv_multi_max_frames = multi.DEFAULT_MAX_FRAMES
-        self.recv_multi_max_bytes = multi.DEFAULT_MAX_BYTES
+    def __new__(cls, endpoint, ctx=None, tags=None):
+        """Adopt the C endpoint ``endpoint`` (it becomes this object).
+
+        ``tags``: ``{"msg_send", "msg_recv", "ctrl_send", "ctrl_recv"}`` as
+        agreed in the handshake (None: an endpoint from a worker address,
+        which has no control channel)."""
+        if type(endpoint) is not _C:
+            raise TypeError(
+                "endpoint must be a ucxx._ucxx.Endpoint not yet adopted, got "
+                f"{type(endpoint).__name__}"
+            )
+        tags = tags or {}
+        state = _EndpointState(ctx, tags.get("ctrl_send"), tags.get("ctrl_recv"))
+        if tags.get("msg_send") is not None:
+            endpoint.send_tag = tags["msg_send"]
+        if tags.get("msg_recv") is not None:
+            endpoint.recv_tag = tags["msg_recv"]
+        endpoint._state = state
+        _C.set_close_callback(endpoint, functools.partial(_on_c_close, state))
+        endpoint.__class__ = cls
+        if state.ctrl_recv_tag is not None and state.ctrl_send_tag is not None:
+            endpoint._start_ctrl_watch()
         if ctx is not None:
-            self.recv_multi_max_frames = ctx.recv_multi_max_frames
-            self.recv_multi_max_bytes = ctx.recv_multi_max_bytes
-        self._finalizer = weakref.finalize(self, _finalize, c_ep)
-        if ctrl_recv_tag is not None:
-            self._start_ctrl_watch()
+            ctx._track_endpoint(endpoint)
+        return endpoint
 
     # ----------------------------------------------------------------- state
     def _start_ctrl_watch(self) -> None:
+        state = self._state
         loop = asyncio.get_running_loop()
-        timeout = self._ctx.connect_timeout if self._ctx is not None else 5.0
+        if not self.alive:
+            return
+        # Posted here, not in the task: the close callback that cancels it
+        # may run before the task's first step.
+        buf = bytearray(CTRL_SIZE)
+        req = state.ctrl_req = self.worker.tag_recv(buf, state.ctrl_recv_tag)
         task = loop.create_task(
-            _watch_ctrl(
-                self._ep, self._ctrl_recv_tag, self._ctrl_send_tag, timeout,
-                weakref.ref(self),
-            ),
-            name=f"ucxx-ctrl-{self._ep.uid:#x}",
+            _watch_ctrl(req, buf, state, weakref.ref(self)),
+            name=f"ucxx-ctrl-{self.uid:#x}",
         )
-        self._ctrl_task = task
-        if self._ctx is not None:
-            self._ctx._track_task(task)
+        state.ctrl_task = task
+        if state.ctx is not None:
+            state.ctx._track_task(task)
 
     @property
-    def alive(self) -> bool:
-        """False once the endpoint is closed or the peer is gone."""
-        return self._ep.alive
+    def _ep(self):
+        """This endpoint (RAPIDS ucxx keeps its C endpoint here; here the
+        endpoint is the C endpoint)."""
+        return self
+
+    @property
+    def _ctx(self):
+        """The ApplicationContext (None once aborted)."""
+        return self._state.ctx
+
+    @property
+    def _tags(self) -> dict:
+        return {"msg_send": self.send_tag, "msg_recv": self.recv_tag}
+
+    @property
+    def _ctrl_send_tag(self):
+        return self._state.ctrl_send_tag
+
+    @property
+    def _closing(self) -> bool:
+        return self._state.closing
+
+    @property
+    def _in_use(self) -> bool:
+        """Neither closed (locally or by the peer) nor aborted, nor dropped
+        by the application (then it closes by itself): what ``reset()``
+        counts as still in use."""
+        state = self._state
+        return not (state.closing or state.dropped or self.peer_closed)
+
+    @property
+    def _multi_lock(self):
+        return self._state.multi_lock
+
+    @_multi_lock.setter
+    def _multi_lock(self, lock) -> None:
+        self._state.multi_lock = lock
+
+    @property
+    def recv_multi_max_frames(self) -> int:
+        """Largest frame count a ``recv_multi()`` header may announce."""
+        return self._state.recv_multi_max_frames
+
+    @recv_multi_max_frames.setter
+    def recv_multi_max_frames(self, n: int) -> None:
+        self._state.recv_multi_max_frames = n
+
+    @property
+    def recv_multi_max_bytes(self) -> int:
+        """Largest total size a ``recv_multi()``/``recv_obj()`` may announce."""
+        return self._state.recv_multi_max_bytes
+
+    @recv_multi_max_bytes.setter
+    def recv_multi_max_bytes(self, n: int) -> None:
+        self._state.recv_multi_max_bytes = n
 
     @property
     def closed(self):
@@ -183,91 +298,139 @@ class Endpoint:
 
         Usable both as a property (``ep.closed``) and as a method
         (``ep.closed()``)."""
-        ep = self._ep
-        return callable_bool(ep.closed or not ep.alive)
-
-    @property
-    def uid(self) -> int:
-        """Unique id of the underlying UCX endpoint."""
-        return self._ep.uid
+        return callable_bool(_c_closed(self) or not self.alive)
 
     @property
     def ucp_endpoint(self) -> int:
         """The ``ucp_ep_h`` as an int."""
-        return self._ep.handle
+        return self.handle
 
     @property
     def ucp_worker(self) -> int:
         """The ``ucp_worker_h`` as an int."""
-        return self._ep.worker.handle
+        return self.worker.handle
 
     @property
-    def worker(self):
-        return self._ep.worker
+    def ucxx_endpoint(self) -> int:
+        """The address of this endpoint object (RAPIDS: its ``ucxx::Endpoint``)."""
+        return id(self)
 
     @property
-    def send_tag(self) -> int:
-        return self._ep.send_tag
-
-    @property
-    def recv_tag(self) -> int:
-        return self._ep.recv_tag
-
-    def __repr__(self) -> str:
-        try:
-            state = "closed" if self.closed else ("alive" if self.alive else "failed")
-            return f"<ucxx.Endpoint uid={self.uid:#x} {state}>"
-        except Exception:  # pragma: no cover
-            return "<ucxx.Endpoint>"
+    def ucxx_worker(self) -> int:
+        """The address of the worker object (RAPIDS: its ``ucxx::Worker``)."""
+        return id(self.worker)
 
     # --------------------------------------------------------------- closing
-    def set_close_callback(self, callback, cb_args=None, cb_kwargs=None) -> None:
-        """Call ``callback(*cb_args, **cb_kwargs)`` once, from the event loop,
-        when the endpoint closes (locally or by the peer) or fails."""
-        if callback is not None and (cb_args or cb_kwargs):
-            callback = functools.partial(callback, *(cb_args or ()), **(cb_kwargs or {}))
-        self._close_cb = callback
-        self._ep.set_close_callback(callback)
-
-    def abort(self, *args, **kwargs) -> None:
-        """Close immediately, without telling the peer. Pending operations
-        fail with UCXCanceledError. Idempotent. (Extra arguments are
-        accepted for compatibility and ignored.)"""
-        self._closing = True
-        self._ep.abort()
-
-    def close(self, *args, **kwargs):
-        """Gracefully close: tell the peer, flush, close. Awaitable and
-        idempotent: every call returns the same awaitable. (Extra arguments
-        are accepted for compatibility and ignored.)"""
-        fut = self._close_task
-        if fut is None:
-            fut = self._close_task = asyncio.ensure_future(self._close())
-        return fut
-
-    async def _close(self) -> None:
-        c_ep = self._ep
-        already_closing = self._closing
-        self._closing = True
-        if already_closing or c_ep.closed or not c_ep.alive:
-            c_ep.abort()
+    def set_close_callback(self, callback_func, cb_args=None, cb_kwargs=None) -> None:
+        """Call ``callback_func(*cb_args, **cb_kwargs)`` once, from the event
+        loop, when the endpoint closes (locally or by the peer) or fails.
+        Set after that happened, it is called soon. None removes it."""
+        cb = callback_func
+        if cb is not None:
+            if not callable(cb):
+                raise TypeError("callback must be callable or None")
+            if cb_args or cb_kwargs:
+                cb = functools.partial(cb, *(cb_args or ()), **(cb_kwargs or {}))
+        state = self._state
+        if state.close_cb_done and cb is not None:
+            get_event_loop().call_soon(cb)
             return
-        timeout = self._ctx.connect_timeout if self._ctx is not None else 5.0
-        ctrl = self._ctrl_task
+        state.close_cb = cb
+
+    def abort(self, period=None, max_attempts=None) -> None:
+        """Close immediately, without telling the peer. Pending operations
+        fail with UCXCanceledError. Idempotent. (``period`` and
+        ``max_attempts`` are accepted for compatibility: this abort does not
+        wait.)"""
+        state = self._state
+        state.closing = True
+        state.stop_ctrl()
+        _C.abort(self)
+        state.ctx = None
+
+    async def close(self, period=None, max_attempts=None) -> None:
+        """Gracefully close: tell the peer, wait until it has seen it (at
+        most ``connect_timeout``), close. A coroutine: it runs on whatever
+        loop awaits it. Idempotent; a close already running elsewhere is
+        awaited. (``period`` and ``max_attempts`` are accepted for
+        compatibility.)"""
+        state = self._state
+        loop = asyncio.get_running_loop()
+        closer = state.closer
+        if closer is not None:
+            if not closer.done() and closer.get_loop() is loop:
+                await asyncio.shield(closer)
+            return
+        closer = state.closer = loop.create_future()
         try:
+            await self._close(loop)
+        finally:
+            closer.set_result(None)
+
+    async def _close(self, loop) -> None:
+        state = self._state
+        already_closing = state.closing
+        state.closing = True
+        try:
+            if already_closing or _c_closed(self) or not self.alive:
+                return
+            timeout = state.timeout
+            ctrl = state.ctrl_task
             if ctrl is not None and not ctrl.done():
                 # Tell the peer, wait until it has seen it (its ack, its own
                 # close message, or the connection going away), then close.
-                await asyncio.wait_for(_await(c_ep.tag_send(_CLOSE_MSG, self._ctrl_send_tag)), timeout)
-                await asyncio.wait_for(asyncio.shield(ctrl), timeout)
+                await asyncio.wait_for(_await(_C.tag_send(self, _CLOSE_MSG, state.ctrl_send_tag)), timeout)
+                if ctrl.get_loop() is loop:
+                    await asyncio.wait_for(asyncio.shield(ctrl), timeout)
+                else:
+                    # The watcher runs on another loop: let UCX flush.
+                    await asyncio.wait_for(_await(_C.close(self)), timeout)
             elif ctrl is None:
                 # No control channel (endpoint from a worker address): UCX's
                 # flushing close.
-                await asyncio.wait_for(_await(c_ep.close()), timeout)
+                await asyncio.wait_for(_await(_C.close(self)), timeout)
         except (UCXError, asyncio.TimeoutError) as e:
-            logger.debug("Endpoint %#x: graceful close incomplete (%r)", c_ep.uid, e)
+            logger.debug("Endpoint %#x: graceful close incomplete (%r)", self.uid, e)
         finally:
-            c_ep.abort()
+            self.abort()
+
+    def close_after_n_recv(self, n, count_from_ep_creation=False) -> None:
+        """Abort the endpoint once ``n`` more receives (``recv``,
+        ``am_recv``, ``recv_multi``, ``recv_obj``, ``recv_with_handle``)
+        completed, counted from now, or from the endpoint's creation with
+        ``count_from_ep_creation``. Receives are counted as they complete
+        only after this call; before it, the receives posted so far count."""
+        state = self._state
+        if state.close_after is not None:
+            raise UCXError(
+                "close_after_n_recv has already been set to: %d (abs)" % state.close_after
+            )
+        done = self.recv_count
+        if not count_from_ep_creation:
+            n += done
+        if n == done:
+            self.abort()
+        elif n > done:
+            state.finished_recv = done
+            state.close_after = n
+            self.__class__ = _CountingEndpoint
+        else:
+            raise UCXError(
+                "`n` cannot be less than current recv_count: %d (abs) < %d (abs)" % (n, done)
+            )
+
+    # ------------------------------------------------------- tag probe / recv
+    def tag_probe(self, tag=None, force_tag=False, remove=False):
+        """Whether a message for ``recv(buf, tag, force_tag)`` has arrived,
+        without receiving it (see :class:`TagProbeResult`). With ``remove``
+        the message leaves UCX's queue: receive it with
+        :meth:`recv_with_handle`. Does not progress the worker."""
+        return TagProbeResult(self.worker.tag_probe(self.recv_tag_for(tag, force_tag), _FULL_MASK, bool(remove)))
+
+    async def recv_with_handle(self, buffer, probe_result):
+        """Receive the message a ``tag_probe(..., remove=True)`` took from
+        the queue into ``buffer``. Returns the number of bytes received."""
+        return await self.worker.tag_recv_with_handle(buffer, _probe_handle(probe_result))
 
     # ------------------------------------------------------ composite messages
     async def send_obj(self, obj, tag=None, force_tag=False) -> None:
@@ -276,23 +439,23 @@ class Endpoint:
         nbytes = memoryview(obj).nbytes if not hasattr(obj, "__cuda_array_interface__") else _cuda_nbytes(obj)
         # One C call posts both messages, in order, on the same tag (the
         # size header as a message of its own).
-        await self._ep.gather_send((obj,), tag, force_tag, header=(_OBJ_HEADER.pack(nbytes),))
+        await _C.gather_send(self, (obj,), tag, force_tag, header=(_OBJ_HEADER.pack(nbytes),))
 
     async def recv_obj(self, tag=None, allocator=bytearray, force_tag=False):
         """Receive an object sent with ``send_obj()``; returns
         ``allocator(nbytes)`` filled with the payload (bytearray by default)."""
         header = bytearray(_OBJ_HEADER.size)
-        n = await self._ep.recv(header, tag, force_tag)
+        n = await _C.recv(self, header, tag, force_tag)  # counted: one recv_obj
         if n is not None and n != _OBJ_HEADER.size:
             raise UCXError(f"recv_obj: malformed size header ({n} bytes)")
         (nbytes,) = _OBJ_HEADER.unpack(header)
-        if nbytes > self.recv_multi_max_bytes:
+        if nbytes > self._state.recv_multi_max_bytes:
             raise UCXError(
                 f"recv_obj: the peer announced {nbytes} bytes, more than the "
-                f"limit of {self.recv_multi_max_bytes} (recv_multi_max_bytes)"
+                f"limit of {self._state.recv_multi_max_bytes} (recv_multi_max_bytes)"
             )
         buf = allocator(nbytes)
-        await self._ep.recv(buf, tag, force_tag)
+        await _C.tag_recv(self, buf, self.recv_tag_for(tag, force_tag))
         return buf
 
     async def send_multi(self, buffers, tag=None, force_tag=False) -> None:
@@ -305,6 +468,33 @@ class Endpoint:
         as numpy ``uint8`` arrays."""
         return await multi.recv_multi(self, tag, force_tag)
 
+    # ------------------------------------------------------------- lifetime
+    def __del__(self, _abort=_C.abort, _closed=_c_closed):
+        """Dropped while open: close gracefully in the background when this
+        runs on the thread of a running loop (the peer's pending receives
+        then fail with UCXCanceledError, as after ``close()``), else abort.
+        (This replaces the C endpoint's finalizer, which warns: a public
+        endpoint may be dropped, as in RAPIDS ucxx.)"""
+        try:
+            if _closed(self):
+                return
+            state = self._state
+            if state is not None and not state.closing and state.ctrl_task is not None:
+                try:
+                    loop = asyncio.get_running_loop()
+                except RuntimeError:
+                    loop = None
+                if loop is not None and not state.ctrl_task.done():
+                    task = loop.create_task(self.close(), name=f"ucxx-close-{self.uid:#x}")
+                    state.dropped = True  # not live for reset()
+                    if state.ctx is not None:
+                        state.ctx._track_task(task)
+                    return  # the task holds the endpoint until it is closed
+            _abort(self)
+        except BaseException:
+            _abort(self)
+            raise
+
     # ------------------------------------------------------------ deprecated
     def is_alive(self) -> bool:
         return self.alive
@@ -314,6 +504,71 @@ class Endpoint:
 
     def get_ucp_worker(self) -> int:
         return self.ucp_worker
+
+
+def _counting(name):
+    base = getattr(Endpoint, name)
+
+    @functools.wraps(base)
+    async def method(self, *args, **kwargs):
+        result = await base(self, *args, **kwargs)
+        state = self._state
+        state.finished_recv += 1
+        if state.close_after is not None and state.finished_recv >= state.close_after:
+            self.abort()
+        return result
+
+    return method
+
+
+class _CountingEndpoint(Endpoint):
+    """An Endpoint after ``close_after_n_recv()``: its receives count and
+    the one that reaches the limit aborts it. (Only such endpoints pay for
+    counting; the class is switched by ``close_after_n_recv``.)"""
+
+    __slots__ = ()
+
+    recv = _counting("recv")
+    am_recv = _counting("am_recv")
+    recv_multi = _counting("recv_multi")
+    recv_obj = _counting("recv_obj")
+    recv_with_handle = _counting("recv_with_handle")
+
+
+_FULL_MASK = (1 << 64) - 1
+
+
+class TagProbeResult:
+    """The answer of a tag probe: ``matched``; when matched, ``sender_tag``
+    (a :class:`ucxx.types.Tag`), ``length`` (bytes) and, for a probe with
+    ``remove=True``, ``handle`` (for ``recv_with_handle``; else None)."""
+
+    __slots__ = ("matched", "sender_tag", "length", "handle")
+
+    def __init__(self, found):
+        self.matched = found is not None
+        if found is None:
+            self.sender_tag = self.length = self.handle = None
+        else:
+            tag, self.length, self.handle = found
+            self.sender_tag = Tag(tag)
+
+    def __repr__(self) -> str:
+        if not self.matched:
+            return "<TagProbeResult matched=False>"
+        return (
+            f"<TagProbeResult matched=True sender_tag={int(self.sender_tag):#x} "
+            f"length={self.length} handle={'yes' if self.handle is not None else 'no'}>"
+        )
+
+
+def _probe_handle(probe_result):
+    handle = getattr(probe_result, "handle", None)
+    if handle is None:
+        raise ValueError(
+            "recv_with_handle() needs the result of a matched tag_probe(..., remove=True)"
+        )
+    return handle
 
 
 async def _await(aw):
@@ -327,3 +582,6 @@ def _cuda_nbytes(obj) -> int:
         n *= d
     itemsize = int(iface["typestr"][2:])
     return n * itemsize
+
+
+__all__ = ["Endpoint", "TagProbeResult", "UCXCanceledError"]

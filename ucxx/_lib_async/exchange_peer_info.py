@@ -13,8 +13,9 @@ and receives the peer's:
     16     8     ctrl_tag  uint64: tag the sender receives control messages on
     24     8     checksum  first 8 bytes of BLAKE2b(bytes 0..23, person=b"ucxx-hs1")
 
-Both sides post their send and their receive at once (no side waits for the
-other to speak first), so the exchange costs one round trip.
+The listener's side sends first and then receives; the client receives
+first and then sends: when the listener's side goes on, the client's
+endpoint is ready (docs/PROTOCOL.md).
 """
 
 from __future__ import annotations
@@ -85,37 +86,74 @@ def new_tag() -> int:
     return secrets.randbits(64)
 
 
-async def _exchange(c_ep, my_msg: bytes, peer_buf: bytearray) -> None:
-    send_req = c_ep.stream_send(my_msg)
-    recv_req = c_ep.stream_recv(peer_buf)
-    await recv_req
-    await send_req
+async def _exchange(
+    c_ep, my_msg: bytes, peer_buf: bytearray, timeout: float, listener: bool
+) -> bool:
+    """The listener sends first, then receives; the client receives, then
+    sends. So the listener's side goes on (runs its callback, sends) only
+    once the client has its answer: the client's endpoint is ready first.
+
+    False if ``timeout`` expired first. The timeout aborts the endpoint (its
+    transfers then fail) rather than running the exchange in a task of
+    ``asyncio.wait_for``, which would cost loop turns.
+    """
+    expired = []
+
+    def expire():
+        expired.append(True)
+        c_ep.abort()
+
+    timer = asyncio.get_running_loop().call_later(timeout, expire)
+    try:
+        if listener:
+            await c_ep.stream_send(my_msg)
+            await c_ep.stream_recv(peer_buf)
+        else:
+            await c_ep.stream_recv(peer_buf)
+            await c_ep.stream_send(my_msg)
+    except UCXError:
+        if expired:
+            return False
+        raise
+    finally:
+        timer.cancel()
+    return not expired
 
 
 async def exchange_peer_info(
-    c_ep,
-    recv_tag: int,
+    endpoint,
+    msg_tag: int,
     ctrl_tag: int,
-    timeout: float,
-    peer: str = "peer",
-) -> PeerInfo:
-    """Run the handshake on the C endpoint ``c_ep``.
+    listener: bool,
+    connect_timeout: float = 5.0,
+    peer: str | None = None,
+) -> dict:
+    """Run the handshake on the C endpoint ``endpoint``: send our receive
+    tag ``msg_tag`` and control tag ``ctrl_tag``, receive the peer's.
 
-    Returns the peer's tags. On any failure the C endpoint is aborted and a
-    UCXError is raised: UCXTimedOutError if the peer stayed silent for
-    ``timeout`` seconds, the typed transport error if the connection failed,
-    a plain UCXError naming the problem if the peer sent garbage.
+    Returns ``{"msg_tag": ..., "ctrl_tag": ...}`` of the peer. On any
+    failure the endpoint is aborted and a UCXError is raised:
+    UCXTimedOutError if the peer stayed silent for ``connect_timeout``
+    seconds, the typed transport error if the connection failed, a plain
+    UCXError naming the problem if the peer sent garbage. (Both sides post
+    their send and receive at once; ``listener`` only names the peer in
+    messages.)
     """
-    my_msg = pack(recv_tag, ctrl_tag)
+    if peer is None:
+        peer = "the client" if listener else "the listener"
+    my_msg = pack(msg_tag, ctrl_tag)
     peer_buf = bytearray(MSG_SIZE)
     try:
         try:
-            await asyncio.wait_for(_exchange(c_ep, my_msg, peer_buf), timeout)
-        except asyncio.TimeoutError:
-            raise UCXTimedOutError(
-                f"handshake with {peer} timed out after {timeout:g} s "
-                "(the peer never answered; is it a ucxx listener?)"
-            ) from None
+            if not await _exchange(endpoint, my_msg, peer_buf, connect_timeout, listener):
+                raise UCXTimedOutError(
+                    f"handshake with {peer} timed out after {connect_timeout:g} s "
+                    "(the peer never answered; is it a ucxx listener?)"
+                )
+        except UCXTimedOutError as e:
+            if "handshake" in str(e):
+                raise
+            raise UCXTimedOutError(f"handshake with {peer} failed: {e}") from e
         except UCXError as e:
             if isinstance(e, _ucxx.UCXMessageTruncatedError):
                 raise UCXError(
@@ -123,10 +161,11 @@ async def exchange_peer_info(
                     f"{MSG_SIZE} bytes"
                 ) from e
             raise type(e)(f"handshake with {peer} failed: {e}") from e
-        return unpack(peer_buf)
+        info = unpack(peer_buf)
+        return {"msg_tag": info.recv_tag, "ctrl_tag": info.ctrl_tag}
     except BaseException:
         try:
-            c_ep.abort()
+            endpoint.abort()
         except Exception:  # pragma: no cover - abort is documented idempotent
             pass
         raise

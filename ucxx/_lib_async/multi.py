@@ -15,7 +15,12 @@ from __future__ import annotations
 import asyncio
 import os
 
+from .. import _ucxx
 from . import frames as _frames
+
+# The C methods, called on the endpoint explicitly: an Endpoint subclass
+# (close_after_n_recv's) wraps the public ones, and counts a recv_multi once.
+_C = _ucxx.Endpoint
 
 
 def _env_int(name: str, default: int) -> int:
@@ -43,23 +48,22 @@ def _host_alloc(n: int):
 async def send_multi(ep, buffers, tag=None, force_tag=False) -> None:
     if not isinstance(buffers, (list, tuple)):
         raise ValueError("The `buffers` argument must be a `list` or `tuple`")
-    await _frames.post_frames(ep._ep, buffers, tag, force_tag)
+    await _frames.post_frames(ep, buffers, tag, force_tag)
 
 
 async def recv_multi(ep, tag=None, force_tag=False) -> list:
-    c_ep = ep._ep
     lock = ep._multi_lock
     if lock is None:
         lock = ep._multi_lock = asyncio.Lock()
 
     def recv(buf):
-        return c_ep.recv(buf, tag, force_tag)
+        return _C.recv(ep, buf, tag, force_tag)
 
     async with lock:
         _app, frames = await _frames.recv_header(
             recv, ep.recv_multi_max_frames, ep.recv_multi_max_bytes, _host_alloc
         )
-        req = c_ep.gather_recv(frames, tag, force_tag) if frames else None
+        req = _C.gather_recv(ep, frames, tag, force_tag) if frames else None
     if req is not None:
         await req
     return frames

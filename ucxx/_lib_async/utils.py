@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import warnings
 
 
@@ -21,6 +22,34 @@ def get_event_loop() -> asyncio.AbstractEventLoop:
             loop = policy.new_event_loop()
             policy.set_event_loop(loop)
             return loop
+
+
+def hash64bits(*args) -> int:
+    """A 64-bit unsigned hash of ``args`` (of their ``repr``): the same
+    value in every process, unlike ``hash()`` of a str."""
+    digest = hashlib.blake2b(repr(args).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class UCXAddress(bytes):
+    """A UCX worker address (what ``ucxx.get_worker_address()`` returns):
+    the packed address bytes, plus RAPIDS ucxx's ``length`` and
+    ``create_from_buffer``."""
+
+    __slots__ = ()
+
+    @classmethod
+    def create_from_buffer(cls, buffer) -> "UCXAddress":
+        """The address serialized in ``buffer`` (any bytes-like object)."""
+        return cls(memoryview(buffer).tobytes())
+
+    @property
+    def length(self) -> int:
+        """Size of the address in bytes."""
+        return len(self)
+
+    def __repr__(self) -> str:
+        return f"<UCXAddress {len(self)} bytes>"
 
 
 class CallableBool(int):

@@ -24,6 +24,8 @@ __all__ = [
     "put_results",
     "ucx_config_value",
     "print_ucx_config",
+    "run_cluster_server",
+    "run_cluster_workers",
 ]
 
 # Byte units, case-insensitive. Decimal units (kB, MB, ...) are powers of
@@ -252,3 +254,258 @@ def check_echo(received, sent, n_buffers: int = 1) -> None:
     for buf in got:
         if not np.array_equal(_host_u1(buf), expected):
             raise RuntimeError("echo: the received message differs from the sent one")
+
+
+# --------------------------------------------------------------------------
+# A small cluster of ucxx processes (RAPIDS ucxx's benchmark helpers): one
+# server process that introduces the workers to each other, and worker
+# processes, fully connected, each running a function and reporting its
+# result to the server.
+# --------------------------------------------------------------------------
+
+
+async def _send_pickled(ep, obj) -> None:
+    import pickle
+
+    await ep.send_obj(pickle.dumps(obj))
+
+
+async def _recv_pickled(ep):
+    import pickle
+
+    return pickle.loads(await ep.recv_obj())
+
+
+def _fresh_context() -> None:
+    """A forked child cannot use the context it inherited: start without."""
+    import ucxx
+
+    try:
+        ucxx.reset()
+    except ucxx.UCXError:  # the parent's endpoints/listeners: left alone
+        pass
+
+
+def _cluster_server(results_q, server_file, n_workers, ucx_options) -> None:
+    import json
+
+    import ucxx
+
+    _fresh_context()
+    if ucx_options is not None:
+        ucxx.init(ucx_options)
+
+    async def run():
+        peers: dict = {}
+        results: dict = {}
+
+        async def handle(ep):
+            rank, ip, port = await _recv_pickled(ep)
+            peers[rank] = (ip, port)
+            while len(peers) < n_workers:
+                await asyncio.sleep(0.01)
+            await _send_pickled(ep, peers)
+            results[rank] = await _recv_pickled(ep)
+            await ep.close()
+
+        listener = ucxx.create_listener(handle)
+        text = json.dumps({"address": ucxx.get_address(), "port": listener.port})
+        if server_file is None:
+            print(text, flush=True)
+        else:
+            with open(server_file, "w") as f:  # one write: readers poll for it
+                f.write(text)
+        while len(results) < n_workers or listener.active_clients:
+            await asyncio.sleep(0.01)
+        listener.close()
+        return results
+
+    loop = asyncio.new_event_loop()
+    try:
+        results = loop.run_until_complete(run())
+    finally:
+        loop.close()
+    for rank in range(n_workers):
+        results_q.put(results[rank])
+
+
+def _cluster_start(target, args, error_wrapper):
+    import multiprocessing
+
+    mp = multiprocessing.get_context("fork")
+    if error_wrapper is None:
+        p = mp.Process(target=target, args=args)
+        p.start()
+        return p, None
+    error_q = mp.Queue()
+    p = mp.Process(target=error_wrapper, args=(target, error_q, *args))
+    p.start()
+    return p, error_q
+
+
+def _run_cluster_server(server_file, n_workers, ucx_options_list=None, error_wrapper=None):
+    """Start the server process of a cluster of ``n_workers`` workers.
+
+    The cluster's processes are forked: the calling process must have no
+    ucxx context at that moment (``ucxx.reset()`` first), since UCX's
+    background thread does not survive fork.
+
+    It writes ``{"address": ..., "port": ...}`` (JSON) to ``server_file``
+    (stdout if None), waits for every worker to report its listener,
+    sends each the whole table, and collects each worker's result.
+    ``ucx_options_list``: UCX options (a dict) for the server's
+    ``ucxx.init``. ``error_wrapper`` (e.g. ``ucxx.testing.run_in_subprocess``)
+    wraps the process target; then an error queue is returned too.
+
+    Returns ``(process, result_queue)``, or ``(process, result_queue,
+    error_queue)`` with ``error_wrapper``. The results come in rank order.
+    """
+    import multiprocessing
+
+    results_q = multiprocessing.get_context("fork").Queue()
+    p, error_q = _cluster_start(
+        _cluster_server, (results_q, server_file, n_workers, ucx_options_list), error_wrapper
+    )
+    if error_wrapper is None:
+        return p, results_q
+    return p, results_q, error_q
+
+
+def run_cluster_server(server_file, n_workers, ucx_options_list=None) -> list:
+    """:func:`_run_cluster_server`, waited for: the workers' results in
+    rank order."""
+    p, q = _run_cluster_server(server_file, n_workers, ucx_options_list)
+    results = [q.get() for _ in range(n_workers)]  # before join: a full pipe blocks
+    p.join()
+    if p.exitcode:
+        raise RuntimeError(f"cluster server exited with code {p.exitcode}")
+    return results
+
+
+def _cluster_worker(
+    result_q, server_info, num_node_workers, rank, ucx_options_list, ensure_cuda_device, func, args
+) -> None:
+    import inspect
+
+    import numpy as np
+
+    if ensure_cuda_device:
+        from ucxx._cuda_context import ensure_cuda_context
+
+        devs = getattr(args, "devs", None) or [0]
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(devs[(rank % num_node_workers) % len(devs)])
+        ensure_cuda_context(0)
+
+    import ucxx
+
+    _fresh_context()
+    if ucx_options_list is not None:
+        ucxx.init(ucx_options_list[rank])
+
+    async def run():
+        eps: dict = {}
+
+        async def on_peer(ep):
+            peer_rank = np.empty(1, dtype=np.uint64)
+            await ep.recv(peer_rank)
+            eps[int(peer_rank[0])] = ep
+
+        listener = ucxx.create_listener(on_peer)
+        server = await ucxx.create_endpoint(server_info["address"], server_info["port"])
+        await _send_pickled(server, (rank, ucxx.get_address(), listener.port))
+        table = await _recv_pickled(server)
+        for peer in range(rank + 1, len(table)):
+            ip, port = table[peer]
+            ep = await ucxx.create_endpoint(ip, port)
+            await ep.send(np.array([rank], dtype=np.uint64))
+            eps[peer] = ep
+        while len(eps) < len(table) - 1:
+            await asyncio.sleep(0.01)
+        result = func(rank, eps, args)
+        if inspect.isawaitable(result):
+            result = await result
+        await _send_pickled(server, result)
+        await asyncio.gather(server.close(), *(ep.close() for ep in eps.values()))
+        listener.close()
+        return result
+
+    loop = asyncio.new_event_loop()
+    try:
+        result = loop.run_until_complete(run())
+    finally:
+        loop.close()
+    result_q.put(result)
+
+
+def _run_cluster_workers(
+    server_info,
+    num_workers,
+    num_node_workers,
+    node_idx,
+    worker_func,
+    worker_args=None,
+    ucx_options_list=None,
+    ensure_cuda_device=False,
+    error_wrapper=None,
+):
+    """Start this node's ``num_node_workers`` worker processes (ranks
+    ``node_idx * num_node_workers`` on) of a cluster whose server
+    :func:`_run_cluster_server` started.
+
+    ``server_info``: the server's file, or its ``{"address", "port"}``.
+    Each worker connects to every other (``eps``: rank -> Endpoint), runs
+    ``worker_func(rank, eps, worker_args)`` (a function or a coroutine
+    function) and reports its result to the server. ``ucx_options_list``:
+    one dict of UCX options per rank. ``ensure_cuda_device``: select the
+    GPU ``worker_args.devs[rank]`` and create its context first.
+    ``num_workers`` is the cluster's size (the server's table says it too).
+
+    Returns the processes, or ``(process, error_queue)`` pairs with
+    ``error_wrapper`` (e.g. ``ucxx.testing.run_in_subprocess``); the caller
+    joins them.
+    """
+    import json
+    import multiprocessing
+
+    if isinstance(server_info, str):
+        with open(server_info) as f:
+            server_info = json.load(f)
+    elif not isinstance(server_info, dict):
+        raise ValueError(
+            "server_info must be the path of a server file or a dict with "
+            "'address' and 'port'"
+        )
+    mp = multiprocessing.get_context("fork")
+    out = []
+    for i in range(num_node_workers):
+        rank = node_idx * num_node_workers + i
+        p, error_q = _cluster_start(
+            _cluster_worker,
+            (mp.Queue(), server_info, num_node_workers, rank, ucx_options_list,
+             ensure_cuda_device, worker_func, worker_args),
+            error_wrapper,
+        )
+        out.append(p if error_wrapper is None else (p, error_q))
+    return out
+
+
+def run_cluster_workers(
+    server_info,
+    num_workers,
+    num_node_workers,
+    node_idx,
+    worker_func,
+    worker_args=None,
+    ucx_options_list=None,
+    ensure_cuda_device=False,
+) -> None:
+    """:func:`_run_cluster_workers`, waited for; RuntimeError if a worker
+    failed."""
+    procs = _run_cluster_workers(
+        server_info, num_workers, num_node_workers, node_idx, worker_func,
+        worker_args, ucx_options_list, ensure_cuda_device,
+    )
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise RuntimeError(f"cluster worker exited with code {p.exitcode}")
