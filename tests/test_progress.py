@@ -269,11 +269,11 @@ FAIR_MODES = [("blocking", None), ("polling", None), ("thread", None),
 async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
     """A 1 ms ticker in the loop of a full-speed 1 B ping-pong wakes at most
     1 ms late at p99 (its awaits complete inline, within spins: the time
-    slice gives the loop its turns), while the ping-pong keeps going."""
+    slice gives the loop its turns), while the ping-pong keeps going.
+    The bound adds the p99 of the same ticker alone in this loop: on a
+    noisy VM an idle loop's own timer wake-ups are late by milliseconds."""
     loop = asyncio.get_running_loop()
-    s = await _peer.connect("tcp", "echo", mode, spin, peer_mode="blocking")
     lateness = []
-    rounds = 0
     stop = False
 
     async def ticker():
@@ -282,6 +282,15 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
             await asyncio.sleep(0.001)
             lateness.append(time.monotonic() - due)
 
+    t = loop.create_task(ticker())
+    await asyncio.sleep(0.5)
+    stop = True
+    await t
+    alone = sorted(lateness)[int(len(lateness) * 0.99)]
+    lateness.clear()
+    stop = False
+    s = await _peer.connect("tcp", "echo", mode, spin, peer_mode="blocking")
+    rounds = 0
     try:
         buf, out = b"x", bytearray(1)
         for _ in range(200):  # warm up: the auto budget settles
@@ -301,8 +310,9 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
     p99 = lateness[int(len(lateness) * 0.99)]
     assert len(lateness) > 300, f"the ticker woke {len(lateness)} times in 1.5 s"
     # uvloop's timers have a resolution of 1 ms (libuv's clock)
-    bound = 0.002 if type(loop).__module__.startswith("uvloop") else 0.001
-    assert p99 <= bound, f"p99 lateness {p99 * 1e3:.2f} ms (max {lateness[-1] * 1e3:.2f})"
+    bound = (0.002 if type(loop).__module__.startswith("uvloop") else 0.001) + alone
+    assert p99 <= bound, (f"p99 lateness {p99 * 1e3:.2f} ms (max {lateness[-1] * 1e3:.2f}; "
+                          f"alone: p99 {alone * 1e3:.2f} ms)")
     assert rounds > 1500, f"only {rounds} round trips in 1.5 s beside the ticker"
     if mode != "thread-polling" and (spin is None or spin > 0):
         # the awaits completed inline: the slice, not a suspension, gave
