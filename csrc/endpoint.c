@@ -265,7 +265,9 @@ ucxx_endpoint_report_error(EndpointObject *ep)
 {
     RequestObject *r;
 
-    cancel_tracked(ep, ep->error);
+    /* A failure during this side's graceful close (the peer closing in
+     * answer) ends what the close would have cancelled. */
+    cancel_tracked(ep, ep->closing ? UCS_ERR_CANCELED : ep->error);
     if (ep->handle != NULL) {
         /* UCX requires a failed endpoint to be closed with FORCE. */
         r = ep_close_handle(ep, 1);
@@ -741,6 +743,19 @@ Endpoint_close_by_peer(EndpointObject *ep, PyObject *unused)
     return Endpoint_abort(ep, NULL);
 }
 
+PyDoc_STRVAR(Endpoint_begin_close_doc,
+"_begin_close($self, /)\n--\n\n"
+"This side began a graceful close: should the endpoint fail before the\n"
+"close ends (the peer closing in answer), pending requests fail with\n"
+"UCXCanceledError, as the close would have failed them.");
+
+static PyObject *
+Endpoint_begin_close(EndpointObject *ep, PyObject *unused)
+{
+    ep->closing = 1;
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(Endpoint_set_close_callback_doc,
 "set_close_callback($self, callback, /)\n--\n\n"
 "callback() is called once, from the loop, when the endpoint closes or\n"
@@ -984,6 +999,8 @@ static PyMethodDef Endpoint_methods[] = {
     {"abort", (PyCFunction)Endpoint_abort, METH_NOARGS, Endpoint_abort_doc},
     {"_close_by_peer", (PyCFunction)Endpoint_close_by_peer, METH_NOARGS,
      Endpoint_close_by_peer_doc},
+    {"_begin_close", (PyCFunction)Endpoint_begin_close, METH_NOARGS,
+     Endpoint_begin_close_doc},
     {"set_close_callback", (PyCFunction)Endpoint_set_close_callback, METH_O,
      Endpoint_set_close_callback_doc},
     {"recv_tag_for", FASTKW(Endpoint_recv_tag_for), Endpoint_recv_tag_for_doc},

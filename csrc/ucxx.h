@@ -376,6 +376,7 @@ struct EndpointObject {
     int close_cb_done;           /* close callback already scheduled */
     int poisoned;                /* a gather failed/cancelled mid-stream */
     int peer_closed;             /* the peer said it closed (_close_by_peer) */
+    int closing;                 /* this side began a graceful close */
     PyObject *close_cb;          /* strong */
     PyObject *close_req;         /* strong: the Request of a graceful close */
     uint64_t uid;

@@ -318,6 +318,9 @@ class Endpoint:
     def _close_by_peer(self) -> None:
         """The peer announced its close: abort; later receives still match
         messages that had already arrived."""
+    def _begin_close(self) -> None:
+        """This side began a graceful close: a failure before it ends fails
+        pending requests with UCXCanceledError."""
 
 @final
 class Listener:

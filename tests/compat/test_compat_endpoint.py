@@ -12,6 +12,7 @@ import inspect
 import subprocess
 import sys
 import textwrap
+import time
 import weakref
 from unittest import mock
 
@@ -191,6 +192,51 @@ async def test_dropped_endpoint_closes_gracefully():
         gc.collect()
         await asyncio.sleep(0.01)
     assert ref() is None
+    await ep.close()
+    lst.close()
+
+
+@T(60)
+@pytest.mark.parametrize("side", ["client", "server"])
+async def test_own_close_cancels_pending_receives_even_if_the_peer_resets(side):
+    """Both sides wait in a receive; one side closes while its receive is
+    pending. The peer answers the close by closing, and its endpoint going
+    away reaches this side before the close ends: this side's receive fails
+    with UCXCanceledError (its own close ended it), not with a reset."""
+    lst, ep, sep = await _pair()
+    me, peer = (ep, sep) if side == "client" else (sep, ep)
+
+    async def answer():
+        with pytest.raises(ucxx.UCXCanceledError):
+            await peer.recv(bytearray(10**6))
+        await peer.close()
+
+    other = asyncio.ensure_future(answer())
+    with pytest.raises(ucxx.UCXCanceledError):
+        await asyncio.gather(me.recv(bytearray(10**6)), me.close())
+    await asyncio.wait_for(other, 10)
+    await me.close()
+    lst.close()
+
+
+@T(30)
+async def test_dropped_endpoint_posts_its_close_message_at_once():
+    """An endpoint dropped while open posts its close message when it is
+    collected: the peer learns of the close at its next progress, even if
+    the loop never runs the rest of the close."""
+    lst, ep, sep = await _pair()
+    await asyncio.sleep(0.05)  # both control receives posted
+    ctrl = ep._state.ctrl_req
+    assert ctrl is not None and not ctrl.done()
+    del sep
+    gc.collect()
+    # no await: the loop does not run
+    for _ in range(2000):
+        ucxx.progress()
+        if ctrl.done():
+            break
+        time.sleep(0.001)
+    assert ctrl.done()
     await ep.close()
     lst.close()
 

@@ -73,6 +73,7 @@ class _EndpointState:
         "recv_multi_max_bytes",
         "close_after",
         "finished_recv",
+        "close_msg",
         "__weakref__",
     )
 
@@ -93,6 +94,7 @@ class _EndpointState:
         self.recv_multi_max_bytes = getattr(ctx, "recv_multi_max_bytes", multi.DEFAULT_MAX_BYTES)
         self.close_after = None
         self.finished_recv = 0
+        self.close_msg = None  # the posted close message's Request
 
     def stop_ctrl(self) -> None:
         """Cancel the control receive (a worker-level receive: the endpoint
@@ -379,7 +381,11 @@ class Endpoint(_ucxx.Endpoint):
             if ctrl is not None and not ctrl.done():
                 # Tell the peer, wait until it has seen it (its ack, its own
                 # close message, or the connection going away), then close.
-                await asyncio.wait_for(_await(_C.tag_send(self, _CLOSE_MSG, state.ctrl_send_tag)), timeout)
+                # Pending receives end with UCXCanceledError either way.
+                _C._begin_close(self)
+                if state.close_msg is None:
+                    state.close_msg = _C.tag_send(self, _CLOSE_MSG, state.ctrl_send_tag)
+                await asyncio.wait_for(_await(state.close_msg), timeout)
                 if ctrl.get_loop() is loop:
                     await asyncio.wait_for(asyncio.shield(ctrl), timeout)
                 else:
@@ -485,6 +491,10 @@ class Endpoint(_ucxx.Endpoint):
                 except RuntimeError:
                     loop = None
                 if loop is not None and not state.ctrl_task.done():
+                    # The close message is posted now, the rest of the close
+                    # runs in a task: the peer learns of it at its next
+                    # progress, whenever this loop runs the task.
+                    state.close_msg = _C.tag_send(self, _CLOSE_MSG, state.ctrl_send_tag)
                     task = loop.create_task(self.close(), name=f"ucxx-close-{self.uid:#x}")
                     state.dropped = True  # not live for reset()
                     if state.ctx is not None:
