@@ -648,15 +648,11 @@ def render(data: dict) -> str:
       + ". " + (f"Pinned to CPUs {cfg['cpus'][0]},{cfg['cpus'][1]}." if cfg.get("cpus")
                 else "Not pinned."))
     if "latency" in cfg["parts_run"]:
-        cmd = " ".join(cli_command("python", "MODE", cfg["n_bytes"], cfg["n_iter"],
-                                   cfg["n_warmup_iter"], cfg["address"], [])[1:])
-        w(f"- Latency: `python {cmd}` as `--server-only` / `--client-only` processes, "
-          f"and `ucx_perftest -t tag_lat -E poll|sleep`; the CLI's `Latency (median)`, "
-          f"median over {cfg['rounds']} interleaved rounds; ratios per round, then the "
-          "median [range]."
-          + (" CPU per round trip: user + system time of both process trees in the "
-             "timed loop only (sampled every 20 ms), / iterations." if cfg.get("cpu")
-             else ""))
+        w(f"- Latency: RAPIDS' CLI (`send_recv -n {cfg['n_bytes']} --n-iter {cfg['n_iter']}`) "
+          "as two processes, and `ucx_perftest -t tag_lat`; median over "
+          f"{cfg['rounds']} interleaved rounds, ratios per round, then the median [range]."
+          + (" CPU: user + system time of both process trees in the timed loop only."
+             if cfg.get("cpu") else ""))
     w("")
 
     s = data.get("summary", {})

@@ -503,14 +503,12 @@ def render(data: dict) -> str:
     spins = sorted({(run["mode"], run["spin_us"]) for run in data["runs"] if "error" not in run})
     pin = ("each process pinned to one CPU for all its threads"
            if cfg.get("cpus") else "not pinned")
-    w(f"Both processes run busy work: *busy loop task*, an asyncio task computing in "
-      f"{slice_ms} slices of pure Python, then `await asyncio.sleep(0)`; *busy Python "
-      "thread*, a thread computing without pause (GIL switch interval "
-      f"{cfg.get('switch_interval_ms', 5):g} ms). Ping-pong `pingpong_py.py --api core`, "
-      "spin " + ", ".join(f"{md} {sp:g} µs" for md, sp in spins)
-      + f"; {pin}; {cfg['rounds']} rounds, modes interleaved. One-way latency, median "
-      "over rounds (the slowdown per process pair is in the JSON file); *work* = share "
-      "of the process's CPU time spent in the busy work (alone: about 100 %).\n")
+    w(f"Busy work in both processes: *busy loop task* (an asyncio task computing "
+      f"{slice_ms} slices, then yielding) or *busy Python thread* (GIL switch interval "
+      f"{cfg.get('switch_interval_ms', 5):g} ms). Spin "
+      + ", ".join(f"{md} {sp:g} µs" for md, sp in spins)
+      + f"; {pin}; {cfg['rounds']} rounds. *work*: the busy work's share of the "
+      "process's CPU time (alone: about 100 %).\n")
     kinds = [k for k in cfg["busy"] if k != "none"]
     for tls in cfg["tls"]:
         w(f"### {tls_label(tls)}: one-way latency (µs unless noted)\n")

@@ -510,11 +510,9 @@ def _render_callgrind(cg: dict) -> str:
     L = []
     w = L.append
     w("### Instructions per round trip (callgrind)\n")
-    w(f"`python benchmarks/callgrind.py`: a 1-byte tcp ping-pong under valgrind, "
-      f"(Ir at {cg['iters'][1]} − Ir at {cg['iters'][0]} round trips) / "
-      f"{cg['iters'][1] - cg['iters'][0]}, both ends; stable under load, so the "
-      "figure to compare between commits. ‡: timing-dependent (idle loop turns, "
-      "whether a reply beats the arm).\n")
+    w(f"`python benchmarks/callgrind.py`: 1-byte tcp round trip, both ends, from "
+      f"runs of {cg['iters'][0]} and {cg['iters'][1]}; stable under load. "
+      "‡: timing-dependent.\n")
     groups = ["CPython interpreter (libpython)", "ucxx extension (_ucxx.so)",
               "UCX (libucp/libuct/libucs)", "libc"]
     w("| workload | Ir / round trip | interpreter | `_ucxx` | UCX | libc | other |")
