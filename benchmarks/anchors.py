@@ -562,34 +562,67 @@ def verdicts(data: dict) -> list[str]:
                    f"{TARGET_BLOCKING_VS_RAW_POLL_TCP}): "
                    f"{'met' if r['median'] <= TARGET_BLOCKING_VS_RAW_POLL_TCP else 'missed'}")
     cfg = data["config"]
-    for key in [f"{t}|{m}" for t in cfg.get("tls", []) for m in cfg.get("modes", [])]:
-        r = s.get(key, {}).get("ratios", {}).get("cpu ours/rapids")
-        if r:
-            out.append(f"{au.tls_label(key.split('|')[0])} {key.split('|')[1]}: CPU per "
-                       f"round trip ours / RAPIDS {_x(r['median'])} (target ≤ 1): "
-                       f"{'met' if r['median'] <= 1 else 'missed'}")
+    for tls in cfg.get("tls", []):
+        cells = [(m, s.get(f"{tls}|{m}", {}).get("ratios", {}).get("cpu ours/rapids"))
+                 for m in cfg.get("modes", [])]
+        cells = [(m, r["median"]) for m, r in cells if r]
+        if cells:
+            out.append(f"{au.tls_label(tls)}: CPU per round trip ours / RAPIDS "
+                       + ", ".join(f"{m} {_x(x)}" for m, x in cells) + " (target ≤ 1): "
+                       + ("met" if all(x <= 1 for _, x in cells) else "missed"))
     idle = data.get("idle_summary", {})
-    for key in [f"{t}|{m}|ours" for t in cfg.get("idle_tls", [])
-                for m in ("blocking", "thread")]:
-        e = idle.get(key)
-        if e:
-            tls, mode, _pkg = key.split("|")
-            cap = TARGET_IDLE_CPU_S * e["seconds"] / 3.0
-            worst = max(e["server_cpu_s"], e["client_cpu_s"])
-            out.append(f"{au.tls_label(tls)} {mode}: idle CPU of ours, worst process "
-                       f"{worst:.3f} s in {e['seconds']:g} s (target ≤ {cap:.3f}): "
-                       f"{'met' if worst <= cap else 'missed'}")
+    for tls in cfg.get("idle_tls", []):
+        cells = []
+        for mode in ("blocking", "thread"):
+            e = idle.get(f"{tls}|{mode}|ours")
+            if e:
+                cells.append((mode, max(e["server_cpu_s"], e["client_cpu_s"]),
+                              TARGET_IDLE_CPU_S * e["seconds"] / 3.0, e["seconds"]))
+        if cells:
+            out.append(f"{au.tls_label(tls)}: idle CPU of ours, busier process, "
+                       + ", ".join(f"{m} {x:.3f} s" for m, x, _, _ in cells)
+                       + f" in {cells[0][3]:g} s (target ≤ {cells[0][2]:.3f}): "
+                       + ("met" if all(x <= c for _, x, c, _ in cells) else "missed"))
+    groups: dict = {}
     for r in data.get("fairness", []):
         if r.get("package") == "ours" and "error" not in r:
-            p99 = r["late_ms"]["p99"]
-            out.append(f"fairness {au.tls_label(r['tls'])} {r['mode']} spin {r['spin_us']}: "
-                       "ticker p99 "
-                       f"{p99:.3f} ms late (target ≤ {TARGET_LATE_P99_MS:g} ms): "
-                       f"{'met' if p99 <= TARGET_LATE_P99_MS else 'missed'}")
+            groups.setdefault((r["tls"], r["mode"]), []).append(r)
+    for (tls, mode), rs in groups.items():
+        worst = max(r["late_ms"]["p99"] for r in rs)
+        out.append(f"fairness {au.tls_label(tls)} {mode}: ticker p99 "
+                   + " / ".join(f"{r['late_ms']['p99']:.2f}" for r in rs)
+                   + " ms late at spin " + " / ".join(str(r["spin_us"]) for r in rs)
+                   + f" (target ≤ {TARGET_LATE_P99_MS:g} ms): "
+                   + ("met" if worst <= TARGET_LATE_P99_MS else "missed"))
     return out
 
 
+def _fairness_table(fr: list[dict]) -> str:
+    """Ticker lateness p99 (ms) and round trips/s, one row per package,
+    transport and mode, one column per spin budget."""
+    spins = list(dict.fromkeys(str(r.get("spin_us")) for r in fr
+                               if r.get("package") == "ours"))
+    rows: dict = {}
+    for r in fr:
+        key = (r["package"], r["tls"], r["mode"])
+        cell = ("failed" if "error" in r else
+                f"{r['late_ms']['p99']:.2f} ({r['rt_per_s']:,.0f})")
+        rows.setdefault(key, {})[str(r.get("spin_us")) if r["package"] == "ours"
+                                 else spins[0] if spins else "None"] = cell
+    cols = spins or ["None"]
+    out = ["| package | transport | mode | " + " | ".join(
+               f"spin {c}" for c in cols) + " |",
+           "|---|---|---|" + "---:|" * len(cols)]
+    for (pkg, tls, mode), cells in rows.items():
+        out.append(f"| {pkg} | {tls} | {mode} | "
+                   + " | ".join(cells.get(c, "–") for c in cols) + " |")
+    return "\n".join(out)
+
+
 def render(data: dict) -> str:
+    """The compact section: latency and CPU medians with their ratios, idle
+    CPU, fairness, targets; per-side CPU, ranges and tick counts stay in the
+    JSON file."""
     cfg, m, pk = data["config"], data["machine"], data.get("packages", {})
     L: list[str] = []
     w = L.append
@@ -601,51 +634,25 @@ def render(data: dict) -> str:
         return re.sub(r"--note ('[^']*'|\S+)", "--note …", cmd)
     w(f"_Generated {m.get('date_utc')} by `{short(cfg['command'])}` "
       f"({data.get('elapsed_min', 0):.1f} min) at commit {data.get('commit')}"
-      + "".join(f"; {', '.join(x['parts'])} from `{short(x['command'])}` ({x['date_utc']}"
-                + (f", {x['elapsed_min']:.1f} min" if x.get("elapsed_min") else "") + ")"
+      + "".join(f"; {', '.join(x['parts'])} from `{short(x['command'])}` ({x['date_utc']})"
                 for x in mf) + "._\n")
     if cfg.get("note"):
         w(f"**{cfg['note']}**\n")
-    w(f"- {m.get('cpus')} CPUs ({m.get('cpu_model', '?')}"
-      f"{', virtual machine' if m.get('virtualized') else ''}), Linux {m.get('kernel')}; "
-      f"load average at start / end: {data.get('load_start')} / {data.get('load_end')}.")
     o, r = pk.get("ours", {}), pk.get("rapids")
-    w(f"- ours: this checkout (`{o.get('ucxx_file', '?')}`), Python {o.get('python')}, "
-      f"UCX {o.get('ucx_runtime')} ({o.get('libucx_wheel')}).")
-    if r:
-        w(f"- RAPIDS: {r.get('package')} (`{r.get('python_path')}`), Python {r.get('python')}, "
-          f"UCX {r.get('ucx_runtime')} ({r.get('libucx_wheel')}).")
-    else:
-        w(f"- RAPIDS: not run ({data.get('rapids_skipped', 'not found')}).")
-    if cfg.get("perftest"):
-        w(f"- raw UCX: `{cfg['perftest']}` (ours' wheel, UCX {o.get('ucx_runtime')}).")
-    w(f"- Transports: `tcp` = `UCX_TLS=tcp`; `shared memory` = `UCX_TLS={au.SHM_TLS}` "
-      f"`UCX_MM_ERROR_HANDLING=y`; `UCX_NET_DEVICES={cfg.get('net_devices')}`. "
-      + (f"Pinned: server CPU {cfg['cpus'][0]}, client CPU {cfg['cpus'][1]} "
-         "(`-b`/`-c` of both CLIs, `-c` of `ucx_perftest`)." if cfg.get("cpus")
-         else "Not pinned (both CLIs' default)."))
+    w(f"- {m.get('cpus')} CPUs{' (VM)' if m.get('virtualized') else ''}, load "
+      f"{data.get('load_start')} / {data.get('load_end')}; ours: Python {o.get('python')}, "
+      f"UCX {o.get('ucx_runtime')}; "
+      + (f"RAPIDS: {r.get('package')}, UCX {r.get('ucx_runtime')}"
+         if r else f"RAPIDS: not run ({data.get('rapids_skipped', 'not found')})")
+      + ("; raw: `ucx_perftest` of ours' wheel" if cfg.get("perftest") else "")
+      + ". " + (f"Pinned to CPUs {cfg['cpus'][0]},{cfg['cpus'][1]}." if cfg.get("cpus")
+                else "Not pinned."))
     if "latency" in cfg["parts_run"]:
-        cmd = " ".join(cli_command("python", "MODE", cfg["n_bytes"], cfg["n_iter"],
-                                   cfg["n_warmup_iter"], cfg["address"], [])[1:])
-        ours_extra = f" (ours with `{cfg['ours_args']}` appended)" if cfg.get("ours_args") else ""
-        w(f"- Latency: `python {cmd}`, run as `--server-only` then `--client-only -p PORT`"
-          + ours_extra)
-        w(f"  from a scratch directory; `ucx_perftest -t tag_lat -s {cfg['n_bytes']} -n "
-          f"{cfg['n_iter']} -w {cfg['n_warmup_iter']} -e -E poll|sleep`. The CLI's "
-          "`Latency (median)` (one way), median over "
-          f"{cfg['rounds']} rounds; in each round the four variants of a (transport, mode) "
-          "run back to back, reversed every other round; ratios are per round, then the "
-          "median [range].")
-        if cfg.get("cpu"):
-            w("- CPU per round trip: user + system time of each process (all threads, with "
-              "the child the CLI spawns), sampled every 20 ms: the CPU used in the T "
-              "seconds before the report appeared (T = iterations × mean round trip) / "
-              "iterations; median over rounds. Start-up and connection fall outside the "
-              "window; the few tens of ms between the end of the loop and the report shift "
-              f"it slightly. Variants whose T is under {cfg.get('cpu_min_s', 1.0):g} s get "
-              f"one more run with enough round trips for T ≈ "
-              f"{CPU_TARGET * cfg.get('cpu_min_s', 1.0):g} s for this "
-              "figure.")
+        w(f"- Latency: RAPIDS' CLI (`send_recv -n {cfg['n_bytes']} --n-iter {cfg['n_iter']}`) "
+          "as two processes, and `ucx_perftest -t tag_lat`; median over "
+          f"{cfg['rounds']} interleaved rounds, ratios per round, then the median [range]."
+          + (" CPU: user + system time of both process trees in the timed loop only."
+             if cfg.get("cpu") else ""))
     w("")
 
     s = data.get("summary", {})
@@ -660,42 +667,39 @@ def render(data: dict) -> str:
                 if not e:
                     continue
                 rt = e["ratios"]
+                med = {k: (_x(v["median"]) if v else "–")
+                       for k, v in ((k, rt.get(k)) for k in ("ours/raw-poll",
+                                                              "ours/raw-sleep"))}
                 w(f"| {mode} | {_lat(e, 'rapids')} | {_lat(e, 'ours')} | "
                   f"{_r(rt.get('ours/rapids'))} | {_lat(e, 'raw-poll')} | "
-                  f"{_lat(e, 'raw-sleep')} | {_r(rt.get('ours/raw-poll'))} | "
-                  f"{_r(rt.get('ours/raw-sleep'))} |")
+                  f"{_lat(e, 'raw-sleep')} | {med['ours/raw-poll']} | "
+                  f"{med['ours/raw-sleep']} |")
             w("")
         if "bench_anchors_latency.png" in data.get("plots", []):
             w("![one-way latency](bench_anchors_latency.png)\n")
         if cfg.get("cpu"):
-            w("### CPU per round trip (µs of user + system time)\n")
-            w("| transport | mode | RAPIDS server | RAPIDS client | RAPIDS both | ours server "
-              "| ours client | ours both | ours / RAPIDS | raw poll both | raw sleep both |")
-            w("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+            w("### CPU per round trip (µs of user + system time, both processes)\n")
+            w("| transport | mode | RAPIDS | ours | ours / RAPIDS | raw poll | raw sleep |")
+            w("|---|---|---:|---:|---:|---:|---:|")
             for tls in cfg["tls"]:
                 for mode in cfg["modes"]:
                     e = s.get(f"{tls}|{mode}")
                     if not e:
                         continue
-                    w(f"| {au.tls_label(tls)} | {mode} | {_cpu(e, 'rapids', 'server')} | "
-                      f"{_cpu(e, 'rapids', 'client')} | {_cpu(e, 'rapids', 'both')} | "
-                      f"{_cpu(e, 'ours', 'server')} | {_cpu(e, 'ours', 'client')} | "
-                      f"{_cpu(e, 'ours', 'both')} | {_r(e['ratios'].get('cpu ours/rapids'))} | "
+                    rr = e["ratios"].get("cpu ours/rapids")
+                    w(f"| {au.tls_label(tls)} | {mode} | {_cpu(e, 'rapids', 'both')} | "
+                      f"{_cpu(e, 'ours', 'both')} | {_x(rr['median']) if rr else '–'} | "
                       f"{_cpu(e, 'raw-poll', 'both')} | {_cpu(e, 'raw-sleep', 'both')} |")
             w("")
             if "bench_anchors_cpu.png" in data.get("plots", []):
                 w("![CPU per round trip](bench_anchors_cpu.png)\n")
-        errs = [(k, v, ve["errors"][0], ve.get("fallback")) for k, e in s.items()
+        errs = [(k, v, ve["errors"][0]) for k, e in s.items()
                 for v, ve in e["variants"].items() if ve.get("errors")]
-        for k, v, err, fb in errs[:8]:
+        for k, v, err in errs[:8]:
             tls, mode = k.split("|")
             if "timed out" in err and cfg.get("timeout"):
-                bound = cfg["timeout"] / (2 * cfg["n_iter"]) * 1e9
                 w(f"- timed out: {au.tls_label(tls)} {mode} {LABEL[v]}: no report within "
-                  f"{cfg['timeout']:g} s for {cfg['n_iter']} round trips (one way > "
-                  f"{fmt_t(bound)} on average, start-up included); not run again in later "
-                  "rounds" + (f"; in brackets the median of a run of {fb['n_iter']} round "
-                              "trips." if fb else "."))
+                  f"{cfg['timeout']:g} s for {cfg['n_iter']} round trips.")
             else:
                 w(f"- failed: {au.tls_label(tls)} {mode} {LABEL[v]}: "
                   f"`{err.strip().splitlines()[-1][:200]}`")
@@ -705,21 +709,18 @@ def render(data: dict) -> str:
     idle = data.get("idle_summary")
     if idle:
         secs = next(iter(idle.values()))["seconds"]
-        w(f"### CPU while idle (seconds of CPU in {secs:g} s)\n")
-        w("Connected, 10 round trips exchanged, then both processes post a receive that "
-          f"is never satisfied; CPU time of each over {secs:g} s of that idleness "
-          "(`idle_cpu.py`; process CPU-time clock, all threads"
-          + (f"; worst of {cfg['idle_rounds']} rounds" if cfg.get("idle_rounds", 1) > 1 else "")
-          + ").\n")
-        w("| transport | mode | RAPIDS server | RAPIDS client | ours server | ours client |")
-        w("|---|---|---:|---:|---:|---:|")
+        w(f"### CPU while idle (seconds of CPU in {secs:g} s, busier process)\n")
+        w("Connected, then both sides wait in a receive that never completes "
+          "(`idle_cpu.py`).\n")
+        w("| transport | mode | RAPIDS | ours |")
+        w("|---|---|---:|---:|")
         for tls in cfg["idle_tls"]:
             for mode in cfg["modes"]:
                 cells = []
                 for pkg in ("rapids", "ours"):
                     e = idle.get(f"{tls}|{mode}|{pkg}")
-                    cells += ([f"{e['server_cpu_s']:.3f}", f"{e['client_cpu_s']:.3f}"]
-                              if e else ["–", "–"])
+                    cells.append(f"{max(e['server_cpu_s'], e['client_cpu_s']):.3f}"
+                                 if e else "–")
                 w(f"| {au.tls_label(tls)} | {mode} | " + " | ".join(cells) + " |")
         w("")
         if "bench_anchors_idle.png" in data.get("plots", []):
@@ -729,10 +730,10 @@ def render(data: dict) -> str:
     if fr:
         d = next((r["duration"] for r in fr if "duration" in r), cfg.get("fairness_duration"))
         w("### Fairness: a 1 ms ticker beside a full-speed ping-pong in one loop\n")
-        w(f"`fairness.py`: in one event loop, `await asyncio.sleep(0.001)` in a loop (lateness "
-          f"= wake-up time - (sleep call + 1 ms)) and a 1 B ping-pong with an echo process, "
-          f"both for {d:g} s; `spin_us` as passed to `ucxx.init` (`default`: not passed).\n")
-        w(fairness.table(fr) + "\n")
+        w(f"`fairness.py`: `asyncio.sleep(0.001)` in a loop (lateness = wake-up − "
+          f"(call + 1 ms)) beside a 1 B ping-pong, {d:g} s: p99 lateness in ms (round trips/s); "
+          "`spin_us` passed to `ucxx.init` (`default`: none; RAPIDS has no spin).\n")
+        w(_fairness_table(fr) + "\n")
         if "bench_anchors_fairness.png" in data.get("plots", []):
             w("![fairness](bench_anchors_fairness.png)\n")
 
@@ -990,7 +991,10 @@ def make_parser(prog: str = "python benchmarks/anchors.py") -> argparse.Argument
 def finish(data: dict, args) -> None:
     outdir = Path(args.output).parent
     outdir.mkdir(parents=True, exist_ok=True)
+    old = [x for x in data.get("plots", []) if (outdir / x).exists()]
     data["plots"] = [] if args.no_plots else plot(data, outdir)
+    if not data["plots"] and args.render:  # re-rendering keeps the plots there
+        data["plots"] = old
     Path(args.json_output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json_output).write_text(json.dumps(data, indent=1) + "\n")
     write_markdown(render(data), Path(args.output))

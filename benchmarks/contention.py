@@ -484,6 +484,9 @@ def _pct(x: float | None) -> str:
 
 
 def render(data: dict) -> str:
+    """The compact section: one latency table per transport (median, slowdown
+    and the busy work's share of the CPU); means, per-round figures, CPU/s
+    and the idle shares stay in the JSON file."""
     from suite import size_label, tls_label
 
     cfg, m, s = data["config"], data["machine"], data["summary"]
@@ -491,66 +494,29 @@ def render(data: dict) -> str:
     w = L.append
     w("## Progress modes under a busy event loop (GIL contention)\n")
     w(f"_Generated {m.get('date_utc')} by `{cfg['command']}` "
-      f"({data.get('elapsed_min', 0):.1f} min)._\n")
-    w(f"- {m.get('cpus')} CPUs ({m.get('cpu_model', '?')}"
-      f"{', virtual machine' if m.get('virtualized') else ''}), Linux {m.get('kernel')}, "
-      f"Python {m.get('python')}, UCX {m.get('ucx_runtime')}, commit {m.get('git', '?')}; "
-      f"load average at start / end: {data.get('load_start')} / {data.get('load_end')}.")
-    if cfg.get("cpus"):
-        sc, cc = cfg["cpus"].split(",")[0], cfg["cpus"].split(",")[-1]
-        w(f"- Server pinned to CPU {sc}, client to CPU {cc}: each process has one CPU "
-          "for all its threads (the event loop, the busy thread, the progress thread "
-          "of the thread modes).")
+      f"({data.get('elapsed_min', 0):.1f} min) at commit {m.get('git', '?')}; "
+      f"{m.get('cpus')} CPUs, Python {m.get('python')}, UCX {m.get('ucx_runtime')}; "
+      f"load {data.get('load_start')} / {data.get('load_end')}._\n")
     ar = alone_rates(data["runs"])
     slice_ms = (f"{1e3 / ar[('client', 'loop', 'cpu_rate')]:.2f} ms"
                 if ar.get(("client", "loop", "cpu_rate")) else "?")
-    alone_sh = [v for k, v in ar.items() if k[2] == "alone_share"]
     spins = sorted({(run["mode"], run["spin_us"]) for run in data["runs"] if "error" not in run})
-    w(f"- Busy work, in both processes: slices of pure-Python arithmetic "
-      f"({cfg['work']} loop iterations, {slice_ms} per slice alone, median). "
-      "*busy loop task*: one more asyncio task on the event loop runs a slice, then "
-      "`await asyncio.sleep(0)`, forever. *busy Python thread*: a `threading.Thread` "
-      "runs slices without pause and contends for the GIL (switch interval "
-      f"{cfg.get('switch_interval_ms', 5):g} ms).")
-    w("- Ping-pong as `pingpong_py.py --api core`, spin budgets: "
+    pin = ("each process pinned to one CPU for all its threads"
+           if cfg.get("cpus") else "not pinned")
+    w(f"Busy work in both processes: *busy loop task* (an asyncio task computing "
+      f"{slice_ms} slices, then yielding) or *busy Python thread* (GIL switch interval "
+      f"{cfg.get('switch_interval_ms', 5):g} ms). Spin "
       + ", ".join(f"{md} {sp:g} µs" for md, sp in spins)
-      + (" (the modes' defaults). " if cfg.get("spin_us") is None else ". ")
-      + f"Each phase: a warm-up (≤ {cfg['warmup_s']:g} s), then {cfg['duration']:g} s of "
-      "round trips; one-way = half a round trip, median (mean in brackets) over the "
-      "phase, median over rounds.")
-    w(f"- {cfg['rounds']} rounds; one process pair per (round, transport, mode) runs "
-      "every (size, busy work) phase; the modes run back to back, the phases in turn, "
-      "both in reverse order every other round. × none = contended / uncontended "
-      "median of the same process pair, median over rounds.")
-    cps = [e["cpu_per_s"] for e in s.values() if e.get("cpu_per_s")]
-    w("- *Python work*: the share of the process's CPU time (all its threads) spent "
-      "in the busy slices (their own CPU time, `time.thread_time`), mean of client "
-      "and server, median over rounds"
-      + (f"; the same busy work alone, before UCX is set up: "
-         f"{min(alone_sh) * 100:.0f}–{max(alone_sh) * 100:.0f} %" if alone_sh else "")
-      + ". Neither other load on the machine nor changes of the virtual CPU's speed "
-      "change this share; slices per second do (in the JSON file: `work_rate`, and "
-      "`work_wall` / `work_cpu_rate` as ratios to the same work alone). *CPU/s*: the "
-      "CPU-seconds per second a process got during the phase (mean of both, median "
-      "over rounds): the busy work keeps each process runnable, so below 1 other load "
-      "on its CPU took the rest, which stretches every slice and so every latency "
-      "under busy work"
-      + (f" (in this run: median {statistics.median(cps):.2f}, range "
-         f"{min(cps):.2f}–{max(cps):.2f})." if cps else ".")
-      + f" *Idle*: connected, busy work running, no traffic ({cfg['idle']:g} s).")
-    w("- Transports: `tcp` = `UCX_TLS=tcp` (loopback); `shared memory` = "
-      "`UCX_TLS=posix,sysv,cma,tcp` + `UCX_MM_ERROR_HANDLING=y`"
-      + (f"; `UCX_NET_DEVICES={cfg['net_devices']}`." if cfg.get("net_devices") else ".")
-      + "\n")
+      + f"; {pin}; {cfg['rounds']} rounds. *work*: the busy work's share of the "
+      "process's CPU time (alone: about 100 %).\n")
     kinds = [k for k in cfg["busy"] if k != "none"]
-    spread: list = []
     for tls in cfg["tls"]:
-        w(f"### {tls_label(tls)}: one-way latency, median (mean), µs unless noted\n")
+        w(f"### {tls_label(tls)}: one-way latency (µs unless noted)\n")
         hdr = ["size", "mode"]
         if "none" in cfg["busy"]:
             hdr.append("no busy work")
         for k in kinds:
-            hdr += [BUSY_LABEL[k], "× none", "Python work", "CPU/s"]
+            hdr += [BUSY_LABEL[k], "work"]
         w("| " + " | ".join(hdr) + " |")
         w("|" + "|".join(["---:"] * 1 + ["---"] + ["---:"] * (len(hdr) - 2)) + "|")
         for n in cfg["sizes"]:
@@ -559,41 +525,16 @@ def render(data: dict) -> str:
                 for k in cfg["busy"]:
                     e = s.get(f"{tls}|{mode}|{n}|{k}")
                     if not e or e.get("median_ns") is None:
-                        row += ["–"] * (1 if k == "none" else 4)
+                        row += ["–"] * (1 if k == "none" else 2)
                         continue
                     rm = e.get("rounds_median_ns") or [e["median_ns"]]
                     mark = " †" if min(rm) > 0 and max(rm) / min(rm) > SPREAD else ""
-                    if mark:
-                        spread.append((tls, n, mode, k, rm))
-                    row.append(f"{_fmt_ns(e['median_ns'])} ({_fmt_ns(e['mean_ns'])}){mark}")
+                    row.append(f"{_fmt_ns(e['median_ns'])}{mark}")
                     if k != "none":
-                        row.append(f"{e['slowdown']:.1f}×" if e.get("slowdown") else "–")
-                        row.append(_pct(e["work"]))
-                        row.append(f"{e['cpu_per_s']:.2f}" if e.get("cpu_per_s") else "–")
+                        row.append(_pct(e["work"]).replace(" %", "%"))
                 w("| " + " | ".join(row) + " |")
         w("")
-    if spread:
-        w(f"† The per-round medians of these cells spread more than {SPREAD:g}×; the "
-          "median over rounds hides that (with an even number of rounds it can fall "
-          "between two behaviours). Per round, µs unless noted:\n")
-        for tls, n, mode, k, rm in spread:
-            w(f"- {tls_label(tls)}, {size_label(n)}, {mode}, {BUSY_LABEL[k]}: "
-              + ", ".join(_fmt_ns(x) for x in rm))
-        w("")
-    if kinds:
-        w("### Python work while connected and idle (share of the CPU time in the busy "
-          "slices)\n")
-        hdr = ["transport", "mode"] + [BUSY_LABEL[k] for k in kinds]
-        w("| " + " | ".join(hdr) + " |")
-        w("|---|---|" + "|".join(["---:"] * len(kinds)) + "|")
-        for tls in cfg["tls"]:
-            for mode in cfg["modes"]:
-                row = [tls_label(tls), mode]
-                for k in kinds:
-                    e = s.get(f"{tls}|{mode}|idle|{k}")
-                    row.append(_pct(e["work"]) if e else "–")
-                w("| " + " | ".join(row) + " |")
-        w("")
+    w(f"†: per-round medians spread more than {SPREAD:g}× (in the JSON file).\n")
     fails = [r for r in data["runs"] if "error" in r]
     if fails:
         w(f"**{len(fails)} process pair(s) failed** (left out of the medians):\n")

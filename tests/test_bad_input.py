@@ -8,8 +8,8 @@ thread outlived it. Rows that could take the interpreter down (corrupted
 worker addresses, CUDA interfaces with absurd sizes, fork) run in a child
 process, so a crash is reported as a failure instead of ending the run.
 
-The catalogue is the table of docs/RELIABILITY.md ("Bad input"); to print
-it with the observed exceptions::
+The catalogue is the list of rows below (summarised in docs/RELIABILITY.md,
+"Bad input"); to print it as a table with the observed exceptions::
 
     UCXX_BAD_INPUT_TABLE=/tmp/bad_input.md pytest tests/test_bad_input.py
 """

@@ -12,7 +12,7 @@
   with the C extension doing the receiving (this is the part the sanitizer
   job, ``.ci/sanitize``, exercises under ASan + UBSan).
 
-Figures (runs, time) in docs/RELIABILITY.md ("Fuzzing").
+What is fuzzed and how: docs/RELIABILITY.md ("Fuzzing").
 """
 
 from __future__ import annotations

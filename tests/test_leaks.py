@@ -13,8 +13,8 @@ shared memory):
 - 1,000 listener/endpoint create-connect-close cycles (100 by default) leave
   the fd count where it started.
 
-Figures (RSS growth, rates, fd counts) are printed with ``-s`` and collected
-in docs/RELIABILITY.md ("Leaks").
+Figures (RSS growth, rates, fd counts) are printed with ``-s``; the budgets
+are in docs/RELIABILITY.md ("Leaks").
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ only the cyclic garbage collector can reach.
 
 An exiting child must return its exit status within ``EXIT_BOUND_S`` and
 print no UCX error (``UCX  ERROR``), no fatal Python error and no traceback
-beyond the one it raises on purpose. Figures in docs/RELIABILITY.md
+beyond the one it raises on purpose. The guarantees: docs/RELIABILITY.md
 ("Shutdown").
 """
 

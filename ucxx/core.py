@@ -96,7 +96,7 @@ def init(
         grows while replies arrive shortly after a spin gave up and shrinks
         to 0 while waits are long (capped at 200 us; an idle process does
         not spin). 0 never spins. None: ``$UCXPY_SPIN_US``, else ``"auto"``
-        (polling mode: a fixed 100). See docs/ENGINE.md.
+        (polling mode: a fixed 100; thread-polling: 0). See docs/ENGINE.md.
     """
     global _ctx
     if _ctx is not None:
