@@ -270,8 +270,9 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
     """A 1 ms ticker in the loop of a full-speed 1 B ping-pong wakes at most
     1 ms late at p99 (its awaits complete inline, within spins: the time
     slice gives the loop its turns), while the ping-pong keeps going.
-    The bound adds the p99 of the same ticker alone in this loop: on a
-    noisy VM an idle loop's own timer wake-ups are late by milliseconds."""
+    The bound adds twice the p99 of the same ticker alone in this loop: on
+    a noisy VM an idle loop's own timer wake-ups are late by milliseconds
+    (a monopolised loop's are late by tens to hundreds)."""
     loop = asyncio.get_running_loop()
     lateness = []
     stop = False
@@ -310,7 +311,7 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
     p99 = lateness[int(len(lateness) * 0.99)]
     assert len(lateness) > 300, f"the ticker woke {len(lateness)} times in 1.5 s"
     # uvloop's timers have a resolution of 1 ms (libuv's clock)
-    bound = (0.002 if type(loop).__module__.startswith("uvloop") else 0.001) + alone
+    bound = (0.002 if type(loop).__module__.startswith("uvloop") else 0.001) + 2 * alone
     assert p99 <= bound, (f"p99 lateness {p99 * 1e3:.2f} ms (max {lateness[-1] * 1e3:.2f}; "
                           f"alone: p99 {alone * 1e3:.2f} ms)")
     assert rounds > 1500, f"only {rounds} round trips in 1.5 s beside the ticker"
