@@ -312,6 +312,11 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
     assert len(lateness) > 300, f"the ticker woke {len(lateness)} times in 1.5 s"
     # uvloop's timers have a resolution of 1 ms (libuv's clock)
     bound = (0.002 if type(loop).__module__.startswith("uvloop") else 0.001) + 2 * alone
+    if mode == "thread-polling" and (os.cpu_count() or 1) < 3:
+        # Its progress thread polls without pause: with the loop thread and
+        # the peer, three busy threads on two cores, and the kernel's time
+        # slice (milliseconds), not the engine, sets the loop's lateness.
+        bound += 0.004
     assert p99 <= bound, (f"p99 lateness {p99 * 1e3:.2f} ms (max {lateness[-1] * 1e3:.2f}; "
                           f"alone: p99 {alone * 1e3:.2f} ms)")
     assert rounds > 1500, f"only {rounds} round trips in 1.5 s beside the ticker"
