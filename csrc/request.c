@@ -418,9 +418,12 @@ ucxx_request_fail_if_dead(RequestObject *r, EndpointObject *ep)
     }
 }
 
-PyObject *
-ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
-                       ucp_tag_t tag, ucp_tag_t mask)
+/* A tagged receive into buf: of the next message matching tag/mask, or of
+ * `msg` (a message a probe took from UCX's queue) when it is not NULL.
+ * NULL (nothing posted) only if buf is refused. */
+static PyObject *
+post_tag_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
+              ucp_tag_t tag, ucp_tag_t mask, ucp_tag_message_h msg)
 {
     ucp_request_param_t param;
     ucp_tag_recv_info_t info;
@@ -435,8 +438,9 @@ ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
     param.cb.recv = ucxx_recv_cb;
     param.recv_info.tag_info = &info;
     ucxx_lock(w);
-    sp = ucp_tag_recv_nbx(w->handle, r->buf1.ptr, r->buf1.len, tag, mask,
-                          &param);
+    sp = msg != NULL ?
+        ucp_tag_msg_recv_nbx(w->handle, r->buf1.ptr, r->buf1.len, msg, &param) :
+        ucp_tag_recv_nbx(w->handle, r->buf1.ptr, r->buf1.len, tag, mask, &param);
     ucxx_worker_touched(w);
     if (sp == NULL) {
         r->length = info.length;
@@ -449,37 +453,18 @@ ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
     return (PyObject *)r;
 }
 
-/* Receive `msg`, a message a probe took from UCX's queue. NULL (nothing
- * posted) only if buf is refused. */
+PyObject *
+ucxx_request_post_recv(WorkerObject *w, EndpointObject *ep, PyObject *buf,
+                       ucp_tag_t tag, ucp_tag_t mask)
+{
+    return post_tag_recv(w, ep, buf, tag, mask, NULL);
+}
+
 PyObject *
 ucxx_request_post_msg_recv(WorkerObject *w, PyObject *buf,
                            ucp_tag_message_h msg)
 {
-    ucp_request_param_t param;
-    ucp_tag_recv_info_t info;
-    ucs_status_ptr_t sp;
-    RequestObject *r = ucxx_request_with_buffer(w, NULL, UCXX_REQ_RECV, buf,
-                                                1);
-
-    if (r == NULL) {
-        return NULL;
-    }
-    param_init(&param, r, &r->op1, r->buf1.mem_type);
-    param.op_attr_mask |= UCP_OP_ATTR_FIELD_RECV_INFO;
-    param.cb.recv = ucxx_recv_cb;
-    param.recv_info.tag_info = &info;
-    ucxx_lock(w);
-    sp = ucp_tag_msg_recv_nbx(w->handle, r->buf1.ptr, r->buf1.len, msg,
-                              &param);
-    ucxx_worker_touched(w);
-    if (sp == NULL) {
-        r->length = info.length;
-    }
-    ucxx_request_track(r, &r->op1, sp);
-    ucxx_request_finish_posting(r);
-    ucxx_worker_dispatch(w);
-    ucxx_unlock(w);
-    return (PyObject *)r;
+    return post_tag_recv(w, NULL, buf, 0, 0, msg);
 }
 
 PyObject *
