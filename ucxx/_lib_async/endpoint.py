@@ -494,7 +494,10 @@ class Endpoint(_ucxx.Endpoint):
                     # The close message is posted now, the rest of the close
                     # runs in a task: the peer learns of it at its next
                     # progress, whenever this loop runs the task.
-                    state.close_msg = _C.tag_send(self, _CLOSE_MSG, state.ctrl_send_tag)
+                    try:
+                        state.close_msg = _C.tag_send(self, _CLOSE_MSG, state.ctrl_send_tag)
+                    except UCXError:
+                        pass  # failed meanwhile: the close task aborts it
                     task = loop.create_task(self.close(), name=f"ucxx-close-{self.uid:#x}")
                     state.dropped = True  # not live for reset()
                     if state.ctx is not None:
