@@ -69,8 +69,9 @@ KILL_BOUND_S = 10.0
 # instead of 30 s; set explicitly so that these tests do not depend on the
 # defaults; the tests "with default settings" pass nothing.
 NET_BOUND_S = 10.0
-# The package's default TCP_USER_TIMEOUT (docs/DECISIONS.md) plus slack.
-USER_TIMEOUT_BOUND_S = 40.0
+# The package's default TCP_USER_TIMEOUT (docs/DECISIONS.md) plus slack:
+# measured 31.6-33.4 s, once 41.6 s in a full run of the suite.
+USER_TIMEOUT_BOUND_S = 45.0
 NET_TUNING = {
     "TCP_KEEPIDLE": "inf",
     "TCP_USER_TIMEOUT": "4s",
