@@ -276,10 +276,8 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
     the peer and anything else on two cores all want to run; the
     wall-clock p99 is held to 20 ms, a monopolised loop's is hundreds."""
     loop = asyncio.get_running_loop()
-    lateness = []
+    lateness, cpu_late = [], []
     stop = False
-
-    cpu_late = []
 
     async def ticker():
         while not stop:
@@ -288,7 +286,6 @@ async def test_ticker_keeps_its_timing_beside_a_full_speed_pingpong(mode, spin):
             lateness.append(time.monotonic() - due)
             cpu_late.append(time.thread_time() - cpu - 0.001)
 
-    stop = False
     s = await _peer.connect("tcp", "echo", mode, spin, peer_mode="blocking")
     rounds = 0
     try:
