@@ -313,17 +313,28 @@ ucxx_slice_spent(WorkerObject *w)
  * those (its wake-up is queued when the timer runs) runs before this one
  * resumes.  A bare yield (as asyncio.sleep(0)) would put the task back in
  * the ready queue ahead of those wake-ups, and the loop would run a whole
- * slice of it first.  A worker not attached to a loop yet yields None.
+ * slice of it first.  A task running on another loop than the worker's
+ * (the worker not attached yet, or its loop closed and a new one running:
+ * an await of a done request does not attach) yields None, a bare yield.
  */
 PyObject *
 ucxx_slice_yield(WorkerObject *w)
 {
     ucxx_state *st = ucxx_state_of((PyObject *)w);
-    PyObject *fut, *set, *res;
+    PyObject *fut, *set, *res, *running;
 
     w->slice_start = 0.0;
     w->slice_yields++;
     if (w->loop == NULL) {
+        return Py_NewRef(Py_None);
+    }
+    running = PyObject_CallNoArgs(st->get_running_loop);
+    if (running == NULL) {
+        PyErr_Clear();          /* awaited outside a running loop */
+        return Py_NewRef(Py_None);
+    }
+    Py_DECREF(running);
+    if (running != w->loop) {
         return Py_NewRef(Py_None);
     }
     fut = ucxx_worker_new_future(w, st);

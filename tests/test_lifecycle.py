@@ -551,6 +551,41 @@ def test_event_loop_closed_first(mode, then):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "polling"])
+def test_inline_completions_on_a_new_loop_after_the_first_closed(mode):
+    # Awaits of done requests do not attach the worker to the running loop;
+    # when their time slice is spent, the turn they give must be taken on
+    # the running loop, not on the worker's closed one.
+    ctx = U.Context(options("tcp"))
+    w = U.Worker(ctx, mode)
+    ep = w.ep_from_address(w.address)
+
+    async def start():
+        w.start(asyncio.get_running_loop())
+        await ep.tag_send(b"x", 1)
+
+    async def many_small_sends():
+        for _ in range(5000):
+            await ep.tag_send(b"x", 2)
+
+    loop1 = asyncio.new_event_loop()
+    loop2 = asyncio.new_event_loop()
+    try:
+        loop1.run_until_complete(start())
+        loop1.close()
+        yields = w.spin_stats["slice_yields"]
+        loop2.run_until_complete(many_small_sends())
+        assert w.spin_stats["slice_yields"] > yields  # the slice was spent
+        assert w.loop is loop1  # nothing attached the worker to loop2
+    finally:
+        ep.abort()
+        w.close()
+        loop1.close()
+        loop2.close()
+        ctx.close()
+
+
+@pytest.mark.timeout(60)
 def test_worker_stop_and_restart_on_another_loop():
     ctx = U.Context(options("tcp"))
     w = U.Worker(ctx)
