@@ -30,9 +30,11 @@ iterations; the report gives the median over rounds of those, the
 bandwidth (batch bytes / median time), and the speed-ups as the medians of
 the per-round ratios (sequential / gather, asyncio / gather). ``--mode``
 takes a list (``blocking,polling``): one server per mode, one after the
-other. ``--perftest`` adds raw UCX figures for the same batch: ``ucx_perftest
--t tag_bw`` with one contiguous message of the batch's total and with one
-IOV message of the frames (``-D iov``), same transports.
+other. ``--perftest`` adds raw UCX figures for the same batch, run after each
+round (while our processes wait): ``ucx_perftest -t tag_bw`` with one
+contiguous message of the batch's total and with one IOV message of the
+frames (``-D iov``), same transports; gather / perftest is the median of
+the per-round ratios.
 
     python benchmarks/gather_bench.py --pattern ack --sizes 1K --rounds 7 \
         --iters 300 --mode blocking,polling --cpus 0,1 [--spin-us 0] [--json]
@@ -212,7 +214,9 @@ async def _client(args, port: int) -> dict:
     means: dict = {s: {m: [] for m in methods} for s in sizes}
     cpu: dict = {s: {m: [] for m in methods} for s in sizes}
     recv_ack = ep.recv
-    for r, s, m in _schedule(args.rounds, sizes, methods):
+    schedule = _schedule(args.rounds, sizes, methods)
+    perf = {s: {"contig": [], "iov": []} for s in sizes} if args.perftest else None
+    for k, (r, s, m) in enumerate(schedule):
         frames, bufs = frames_by_size[s], bufs_by_size[s]
         do_send, do_recv = _make_ops(ep, m, frames, bufs, big_out[s], big_in[s])
         if echo:
@@ -247,9 +251,16 @@ async def _client(args, port: int) -> dict:
             print(f"round {r + 1}/{args.rounds} {s:>6} B x{args.frames} {m:10} "
                   f"median {med / 1e3:9.1f} us, mean {mean / 1e3:9.1f} us per batch",
                   file=sys.stderr, flush=True)
+        if perf is not None and (k + 1 == len(schedule) or schedule[k + 1][0] != r):
+            # A B A B: raw UCX between our rounds, while both our processes
+            # wait idle for the next batch.
+            perftest_round(args, perf)
     await ep.send(bytearray(1))
     await _teardown(ctx, w, listener, ep)
-    return _summarise(args, times, means, cpu)
+    res = _summarise(args, times, means, cpu)
+    if perf is not None:
+        res["perftest"] = _summarise_perftest(args, perf, times)
+    return res
 
 
 def _ratio(per: dict, means: dict, a: str, b: str = "gather"):
@@ -351,18 +362,30 @@ def run_perftest(size_arg: str, layout: str, iters: int, warmup: int, cpus,
     return float(rows[-1][5]) * 1024 * 1024
 
 
-def perftest_rounds(args) -> dict:
+def perftest_round(args, perf: dict) -> None:
+    """One ``ucx_perftest`` run per size and layout, appended to ``perf``."""
+    warmup = max(2, args.perftest_iters // 10)
+    for s, runs in perf.items():
+        runs["contig"].append(run_perftest(str(s * args.frames), "contig",
+                                           args.perftest_iters, warmup, args.cpus))
+        runs["iov"].append(run_perftest(f"{s}:{args.frames}", "iov",
+                                        args.perftest_iters, warmup, args.cpus))
+
+
+def _summarise_perftest(args, perf: dict, times: dict) -> dict:
+    """Median bandwidths, and gather / perftest as the median of the
+    per-round ratios (round i of gather against the perftest run after it)."""
     out = {}
-    for s in args.sizes:
-        total = s * args.frames
-        runs = {"contig": [], "iov": []}
-        for _ in range(args.rounds):
-            runs["contig"].append(run_perftest(str(total), "contig", args.perftest_iters,
-                                               max(2, args.perftest_iters // 10), args.cpus))
-            runs["iov"].append(run_perftest(f"{s}:{args.frames}", "iov", args.perftest_iters,
-                                            max(2, args.perftest_iters // 10), args.cpus))
-        out[str(s)] = {k: {"bandwidth_Bps": statistics.median(v), "rounds": v}
-                       for k, v in runs.items()}
+    for s, runs in perf.items():
+        entry = {k: {"bandwidth_Bps": statistics.median(v), "rounds": v}
+                 for k, v in runs.items()}
+        gather_bw = [s * args.frames / (t / 1e9) for t in times[s].get("gather", [])]
+        for k, v in runs.items():
+            rs = [g / p for g, p in zip(gather_bw, v)]
+            if rs:
+                entry[k]["gather_ratio"] = statistics.median(rs)
+                entry[k]["gather_ratio_range"] = [min(rs), max(rs)]
+        out[str(s)] = entry
     return out
 
 
@@ -397,9 +420,10 @@ def format_table(res: dict) -> str:
         lines.append("ucx_perftest -t tag_bw, same transports, one message of the batch "
                      "(contig) / one IOV message of the frames (iov):")
         for s, p in perf.items():
-            g = res["sizes"][s].get("gather")
-            ratio = (f"; gather / contig {g['bandwidth_Bps'] / p['contig']['bandwidth_Bps']:.2f}x"
-                     if g else "")
+            ratio = "".join(
+                f"; gather / {k} {p[k]['gather_ratio']:.2f}x "
+                f"[{p[k]['gather_ratio_range'][0]:.2f}-{p[k]['gather_ratio_range'][1]:.2f}]"
+                for k in ("contig", "iov") if "gather_ratio" in p[k])
             lines.append(f"{_size_label(int(s)):>7} contig {p['contig']['bandwidth_Bps'] / 1e6:.0f}"
                          f" MB/s, iov {p['iov']['bandwidth_Bps'] / 1e6:.0f} MB/s{ratio}")
     return "\n".join(lines)
@@ -474,10 +498,6 @@ def _main(argv=None) -> int:
             wait_server(server)
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
         results.append(res)
-    if args.perftest:
-        perf = perftest_rounds(args)
-        for res in results:
-            res["perftest"] = perf
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results), flush=True)
     else:
