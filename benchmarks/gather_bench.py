@@ -30,11 +30,13 @@ iterations; the report gives the median over rounds of those, the
 bandwidth (batch bytes / median time), and the speed-ups as the medians of
 the per-round ratios (sequential / gather, asyncio / gather). ``--mode``
 takes a list (``blocking,polling``): one server per mode, one after the
-other. ``--perftest`` adds raw UCX figures for the same batch, run after each
-round (while our processes wait): ``ucx_perftest -t tag_bw`` with one
-contiguous message of the batch's total and with one IOV message of the
-frames (``-D iov``), same transports; gather / perftest is the median of
-the per-round ratios.
+other. ``--perftest`` adds raw UCX figures for the same batch, run after
+each round in blocking mode (while our processes sleep), after the
+session in polling mode (whose processes would take its CPUs):
+``ucx_perftest -t tag_bw`` with one contiguous message of the batch's
+total and with one IOV message of the frames (``-D iov``), polling, and
+the contiguous one sleeping (``-E sleep``), same transports; gather /
+perftest is the median of the per-round ratios.
 
     python benchmarks/gather_bench.py --pattern ack --sizes 1K --rounds 7 \
         --iters 300 --mode blocking,polling --cpus 0,1 [--spin-us 0] [--json]
@@ -79,6 +81,9 @@ from pingpong_py import (  # noqa: E402
 from ref.run_ref import parse_size, ucx_env  # noqa: E402
 
 METHODS = ("gather", "sequential", "asyncio", "single")
+# ucx_perftest runs per round: name -> (data layout, wait mode).
+PERFTEST_KINDS = {"contig": ("contig", "poll"), "iov": ("iov", "poll"),
+                  "contig-sleep": ("contig", "sleep")}
 TAG = 0x47415448  # "GATH"
 
 
@@ -215,7 +220,7 @@ async def _client(args, port: int) -> dict:
     cpu: dict = {s: {m: [] for m in methods} for s in sizes}
     recv_ack = ep.recv
     schedule = _schedule(args.rounds, sizes, methods)
-    perf = {s: {"contig": [], "iov": []} for s in sizes} if args.perftest else None
+    perf = {s: {k: [] for k in PERFTEST_KINDS} for s in sizes} if args.perftest else None
     for k, (r, s, m) in enumerate(schedule):
         frames, bufs = frames_by_size[s], bufs_by_size[s]
         do_send, do_recv = _make_ops(ep, m, frames, bufs, big_out[s], big_in[s])
@@ -251,15 +256,17 @@ async def _client(args, port: int) -> dict:
             print(f"round {r + 1}/{args.rounds} {s:>6} B x{args.frames} {m:10} "
                   f"median {med / 1e3:9.1f} us, mean {mean / 1e3:9.1f} us per batch",
                   file=sys.stderr, flush=True)
-        if perf is not None and (k + 1 == len(schedule) or schedule[k + 1][0] != r):
+        if (perf is not None and args.mode == "blocking"
+                and (k + 1 == len(schedule) or schedule[k + 1][0] != r)):
             # A B A B: raw UCX between our rounds, while both our processes
-            # wait idle for the next batch.
+            # sleep until the next batch (polling ones would take its CPUs).
             perftest_round(args, perf)
     await ep.send(bytearray(1))
     await _teardown(ctx, w, listener, ep)
     res = _summarise(args, times, means, cpu)
+    res["_times"] = times
     if perf is not None:
-        res["perftest"] = _summarise_perftest(args, perf, times)
+        res["_perftest"] = perf
     return res
 
 
@@ -325,13 +332,13 @@ def perftest_binary() -> tuple[Path, dict]:
 
 
 def run_perftest(size_arg: str, layout: str, iters: int, warmup: int, cpus,
-                 port: int = 13377) -> float:
+                 port: int = 13377, wait: str = "poll") -> float:
     """Bandwidth (bytes/s, one way) of ``ucx_perftest -t tag_bw`` between
     two processes on the loopback; ``size_arg`` is perftest's ``-s``."""
     binary, env = perftest_binary()
     server_cpu, client_cpu = _parse_cpus(cpus)
     common = ["-t", "tag_bw", "-s", size_arg, "-n", str(iters), "-w", str(warmup),
-              "-D", f"{layout},{layout}", "-p", str(port), "-f"]
+              "-D", f"{layout},{layout}", "-E", wait, "-p", str(port), "-f"]
     scmd = [str(binary), *common] + (["-c", str(server_cpu)] if server_cpu is not None else [])
     ccmd = [str(binary), "127.0.0.1", *common] + (
         ["-c", str(client_cpu)] if client_cpu is not None else [])
@@ -366,10 +373,10 @@ def perftest_round(args, perf: dict) -> None:
     """One ``ucx_perftest`` run per size and layout, appended to ``perf``."""
     warmup = max(2, args.perftest_iters // 10)
     for s, runs in perf.items():
-        runs["contig"].append(run_perftest(str(s * args.frames), "contig",
-                                           args.perftest_iters, warmup, args.cpus))
-        runs["iov"].append(run_perftest(f"{s}:{args.frames}", "iov",
-                                        args.perftest_iters, warmup, args.cpus))
+        for kind, (layout, wait) in PERFTEST_KINDS.items():
+            size = f"{s}:{args.frames}" if layout == "iov" else str(s * args.frames)
+            runs[kind].append(run_perftest(size, layout, args.perftest_iters, warmup,
+                                           args.cpus, wait=wait))
 
 
 def _summarise_perftest(args, perf: dict, times: dict) -> dict:
@@ -417,15 +424,14 @@ def format_table(res: dict) -> str:
             for m in methods))
     perf = res.get("perftest")
     if perf:
-        lines.append("ucx_perftest -t tag_bw, same transports, one message of the batch "
-                     "(contig) / one IOV message of the frames (iov):")
+        lines.append("ucx_perftest -t tag_bw, same transports: one message of the batch "
+                     "(contig), one IOV message of the frames (iov), polling; contig "
+                     "sleeping (-E sleep); gather / perftest per round, median [range]:")
         for s, p in perf.items():
-            ratio = "".join(
-                f"; gather / {k} {p[k]['gather_ratio']:.2f}x "
-                f"[{p[k]['gather_ratio_range'][0]:.2f}-{p[k]['gather_ratio_range'][1]:.2f}]"
-                for k in ("contig", "iov") if "gather_ratio" in p[k])
-            lines.append(f"{_size_label(int(s)):>7} contig {p['contig']['bandwidth_Bps'] / 1e6:.0f}"
-                         f" MB/s, iov {p['iov']['bandwidth_Bps'] / 1e6:.0f} MB/s{ratio}")
+            lines.append(f"{_size_label(int(s)):>7} " + "; ".join(
+                f"{k} {p[k]['bandwidth_Bps'] / 1e6:.0f} MB/s, gather / {k} "
+                f"{p[k]['gather_ratio']:.2f}x [{p[k]['gather_ratio_range'][0]:.2f}-"
+                f"{p[k]['gather_ratio_range'][1]:.2f}]" for k in PERFTEST_KINDS if k in p))
     return "\n".join(lines)
 
 
@@ -497,6 +503,12 @@ def _main(argv=None) -> int:
             res = asyncio.run(_client(args, port))
             wait_server(server)
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
+        times = res.pop("_times")
+        if args.perftest:
+            perf = res.pop("_perftest")
+            while len(next(iter(perf.values()))["contig"]) < args.rounds:
+                perftest_round(args, perf)  # after a polling session: round i pairs with i
+            res["perftest"] = _summarise_perftest(args, perf, times)
         results.append(res)
     if args.json:
         print(json.dumps(results[0] if len(results) == 1 else results), flush=True)
