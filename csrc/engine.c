@@ -449,10 +449,12 @@ spin_outcome(WorkerObject *w, int rc, int expired, int preempted)
     if (!w->spin_auto) {
         return;
     }
-    if (preempted) {
+    if (preempted && w->mode != UCXX_MODE_THREAD) {
         /* The thread lost its CPU while spinning (a few progress calls took
          * far too long): that CPU is wanted elsewhere, maybe by the very
-         * peer the spin waits for. */
+         * peer the spin waits for.  Not in thread mode: there the taker is
+         * mostly this worker's progress thread, woken by the fd for the
+         * reply the spin then finds. */
         spin_back_off(w);
     } else if (expired) {
         ucxx_spin_missed(w);
