@@ -145,6 +145,11 @@ async def _measure(args) -> None:
         "one_way_median_us": au.percentile(rts, 50) / 2 * 1e6 if rts else None,
         "window_s": window,
     }
+    try:  # this package's spin counters; RAPIDS has none
+        w = ucxx.core._get_ctx().worker
+        res["spin_stats"] = dict(w.spin_stats, spin_us=w.spin_us)
+    except AttributeError:
+        pass
     print("RESULT " + json.dumps(res), flush=True)
 
 
