@@ -228,6 +228,7 @@ ucxx_worker_on_efd(WorkerObject *w, PyObject *unused)
         Py_RETURN_NONE;
     }
     w->slice_start = 0.0;       /* the loop is taking a turn */
+    w->dispatched_at = ucxx_now_us();
     w->armed = 0;
     while (ucp_worker_progress(w->handle) != 0) {
         if (w->done_head != NULL || ++n >= UCXX_DRAIN_BUDGET) {
@@ -257,6 +258,7 @@ ucxx_worker_on_notify(WorkerObject *w, PyObject *unused)
         /* EAGAIN: nothing to read, dispatch anyway */
     }
     w->slice_start = 0.0;
+    w->dispatched_at = ucxx_now_us();
     ucxx_lock(w);
     w->notified = 0;
     ucxx_worker_dispatch(w);
@@ -264,14 +266,66 @@ ucxx_worker_on_notify(WorkerObject *w, PyObject *unused)
     Py_RETURN_NONE;
 }
 
+static int busy_poll_step(WorkerObject *w);
+
+/* _rearm: drain and arm before the loop polls.  Queued as a busy poll
+ * (poll_at set, see ucxx_worker_busy_poll), it first polls the worker if
+ * the loop ran other work for UCXX_BUSY_GAP_US since it was queued, and
+ * queues itself again while requests are pending: the loop does not sleep
+ * while it is queued, so the worker need not be armed meanwhile. */
 PyObject *
 ucxx_worker_rearm(WorkerObject *w, PyObject *unused)
 {
+    double at = w->poll_at;
+
     w->rearm_scheduled = 0;
-    if (!w->armed && ucxx_worker_service(w, 0) < 0) {
+    w->poll_at = 0.0;
+    if (at != 0.0 && w->handle != NULL) {
+        double now = ucxx_now_us();
+
+        if (at > 0.0) {
+            /* Queued by the last poll: this is one loop iteration later. */
+            w->loop_busy = now - at >= UCXX_BUSY_GAP_US;
+        }
+        if (w->loop_busy && busy_poll_step(w)) {
+            w->busy_polls++;
+            w->dispatched_at = now;
+            w->poll_at = now;
+            schedule_rearm(w);
+            Py_RETURN_NONE;
+        }
+    }
+    if (w->mode == UCXX_MODE_BLOCKING && !w->armed &&
+        ucxx_worker_service(w, 0) < 0) {
         unraisable((PyObject *)w);
     }
     Py_RETURN_NONE;
+}
+
+/* A suspended await resumed: if its completion waited long for the loop
+ * (other callbacks ran first), the loop is busy. */
+void
+ucxx_worker_resumed(WorkerObject *w)
+{
+    w->slice_start = 0.0;
+    if (w->dispatched_at > 0.0) {
+        w->loop_busy = ucxx_now_us() - w->dispatched_at >= UCXX_BUSY_GAP_US;
+        w->dispatched_at = 0.0;
+    }
+}
+
+/* An await suspends on a busy loop: queue _rearm as a busy poll.  The fd
+ * reader's wake-ups run one loop iteration after the fd was seen ready
+ * (asyncio queues both), one busy iteration more than a poll that runs
+ * in the same iteration as the others' callbacks. */
+void
+ucxx_worker_busy_poll(WorkerObject *w)
+{
+    if (!w->loop_busy || w->handle == NULL) {
+        return;
+    }
+    w->poll_at = -1.0;          /* the first poll trusts loop_busy */
+    schedule_rearm(w);
 }
 
 /* ---- the await spin and the time slice ---------------------------------- */
@@ -501,6 +555,32 @@ spin_take_notify(WorkerObject *w)
         }
         w->notified = 0;
     }
+}
+
+/* One busy poll: a spin step and its dispatch.  1 if requests are still
+ * pending (poll again next iteration). */
+static int
+busy_poll_step(WorkerObject *w)
+{
+    int pending;
+
+    w->spin_progressed = 0;
+    if (!UCXX_THREADED(w)) {
+        w->armed = 0;
+    }
+    if (spin_step(w)) {
+        ucxx_lock(w);
+        spin_take_notify(w);
+        ucxx_worker_dispatch(w);
+        ucxx_unlock(w);
+    }
+    ucxx_lock(w);
+    if (w->spin_progressed) {
+        ucxx_worker_touched(w);
+    }
+    pending = !ucxx_list_empty(&w->pending);
+    ucxx_unlock(w);
+    return pending;
 }
 
 /*

@@ -542,7 +542,7 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
 
     if (r->future != NULL) {
         if (r->status != UCS_INPROGRESS) {
-            w->slice_start = 0.0;       /* resumed by the loop */
+            ucxx_worker_resumed(w);     /* resumed by the loop */
             goto done;
         }
         goto suspend;
@@ -594,6 +594,7 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
         return PYGEN_ERROR;
     }
     w->slice_start = 0.0;
+    ucxx_worker_busy_poll(w);
 
 suspend:
     st = ucxx_state_of((PyObject *)r);

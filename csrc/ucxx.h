@@ -218,6 +218,13 @@ struct WorkerObject {
     int mode;                    /* UCXX_MODE_* */
     int armed;                   /* ucp_worker_arm succeeded, no UCX call since */
     int rearm_scheduled;         /* a rearm callback is in loop's ready queue */
+    /* Busy loop (engine.c, "busy poll"): the loop runs other work between
+     * its polls, so the queued _rearm polls once per loop iteration */
+    int loop_busy;               /* the last resume came long after its
+                                    completion was dispatched */
+    double poll_at;              /* ucxx_now_us() when _rearm was queued as
+                                    a busy poll; 0: a plain rearm */
+    double dispatched_at;        /* when a reader or poll last dispatched */
     int dispatching;             /* re-entrancy guard for dispatch */
     int peer_errors_ok;          /* an endpoint with error handling worked */
     int no_peer_errors;          /* transports cannot detect peer failure */
@@ -238,6 +245,7 @@ struct WorkerObject {
     unsigned spin_backoff;       /* auto: sleeps left before it may grow */
     unsigned spin_backoff_len;   /* auto: the next back-off's length */
     unsigned long spin_hits, spin_grows, spin_shrinks, slice_yields;
+    unsigned long busy_polls;    /* busy polls that found requests pending */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *loop;              /* strong: attached event loop or NULL */
@@ -473,6 +481,9 @@ int ucxx_address_check(ucxx_state *st, const uint8_t *a, Py_ssize_t len);
 #define UCXX_POLL_SPIN_US 100.0
 #define UCXX_SLICE_US 200.0
 #define UCXX_SLICE_CHECK 32
+/* A loop iteration that ran other work this long is a busy loop's: the
+ * worker is polled once per iteration instead of waiting for its fd. */
+#define UCXX_BUSY_GAP_US 100.0
 enum { UCXX_SPIN_DONE, UCXX_SPIN_SLEEP, UCXX_SPIN_YIELD };
 void ucxx_worker_touched(WorkerObject *w);
 int ucxx_worker_dispatch(WorkerObject *w);
@@ -483,6 +494,8 @@ void ucxx_worker_queue_done(WorkerObject *w, RequestObject *r);
 PyObject *ucxx_worker_on_efd(WorkerObject *w, PyObject *unused);
 PyObject *ucxx_worker_on_notify(WorkerObject *w, PyObject *unused);
 PyObject *ucxx_worker_rearm(WorkerObject *w, PyObject *unused);
+void ucxx_worker_resumed(WorkerObject *w);
+void ucxx_worker_busy_poll(WorkerObject *w);
 double ucxx_now_us(void);
 int ucxx_spin(RequestObject *r);
 int ucxx_slice_spent(WorkerObject *w);

@@ -423,6 +423,99 @@ async def test_idle_process_with_a_pending_receive_uses_no_cpu(mode):
     assert me <= 0.03 and peer <= 0.03, f"idle CPU in 3 s: {me:.3f} s here, {peer:.3f} s in the peer"
 
 
+class _BusyTask:
+    """Another task of the loop: CPU slices of ``slice_s`` with a bare
+    yield between them, so that the loop is never idle."""
+
+    def __init__(self, slice_s=0.0005):
+        self.slice_s, self.stop, self.slices = slice_s, False, 0
+        self.task = asyncio.get_running_loop().create_task(self._run())
+
+    async def _run(self):
+        while not self.stop:
+            end = time.perf_counter() + self.slice_s
+            while time.perf_counter() < end:
+                pass
+            self.slices += 1
+            await asyncio.sleep(0)
+
+    async def close(self):
+        self.stop = True
+        await self.task
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", ["blocking", "thread", "thread-polling"])
+async def test_busy_loop_polls_the_worker_and_stops_when_idle(mode):
+    """Beside a task that keeps the loop busy, a suspended await's worker is
+    polled once per loop iteration (spin_stats["busy_polls"]) instead of
+    waiting for the fd reader, whose wake-ups run one iteration later; the
+    polls stop once the loop is idle, and a blocking worker is armed again
+    before the loop sleeps."""
+    s = await _peer.connect("tcp", "echo", mode, 0.0, peer_mode="blocking")
+    loop = asyncio.get_running_loop()
+    probe = BlockingPollProbe(loop, [s.w])
+    try:
+        buf, out = b"y", bytearray(1)
+        busy = _BusyTask()
+        try:
+            for _ in range(200):
+                assert await _echo_round(s.ep, buf, out) == 1 and out == buf
+        finally:
+            await busy.close()
+        polls = s.w.spin_stats["busy_polls"]
+        assert polls > 0 and busy.slices > 0, s.w.spin_stats
+        # idle loop: a few polls at most, then the fd again
+        for _ in range(200):
+            assert await _echo_round(s.ep, buf, out) == 1
+        assert s.w.spin_stats["busy_polls"] - polls < 50, s.w.spin_stats
+        r = s.ep.tag_recv(bytearray(8), 99)  # never sent
+        await asyncio.sleep(0.05)
+        polls = s.w.spin_stats["busy_polls"]
+        await asyncio.sleep(0.2)
+        assert s.w.spin_stats["busy_polls"] == polls
+        assert mode != "blocking" or s.w.armed
+        r.cancel()
+        with pytest.raises(ucxx.exceptions.UCXCanceledError):
+            await r
+        await _echo_stop(s)
+    finally:
+        probe.close()
+        s.close()
+    check_probe(probe, mode)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["blocking", "thread"])
+async def test_stress_beside_a_busy_task(mode):
+    """The two-process stress with another task keeping the loop busy: the
+    busy polls carry part of the progress, every payload arrives, and a
+    blocking worker is never unarmed at a blocking poll."""
+    seed = seed_of("busy", mode)
+    loop = asyncio.get_running_loop()
+    s = await _peer.connect("tcp", "stress", mode, None, seed=seed, nstreams=NSTREAMS,
+                            nmsgs=NMSGS, npingpong=NPINGPONG)
+    try:
+        probe = BlockingPollProbe(loop, [s.w])
+        busy = _BusyTask(0.0002)
+        try:
+            stats = await stress(s.w, s.ep, 0, 1, seed, NSTREAMS, NMSGS, timeout=90)
+            assert await pingpong(s.w, s.ep, 0, NPINGPONG, seed) == NPINGPONG
+        finally:
+            await busy.close()
+            await asyncio.sleep(0.05)
+            probe.close()
+        peer = await s.done()
+        assert stats["sent"] == stats["recvd"] == NSTREAMS * NMSGS
+        assert peer["sent"] == peer["recvd"] == NSTREAMS * NMSGS
+        assert peer["pingpong"] == NPINGPONG and not peer["violations"]
+        assert s.w.spin_stats["busy_polls"] > 0, s.w.spin_stats
+        check_probe(probe, mode)
+        await s.finish()
+    finally:
+        s.close()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["blocking", "polling", "thread", "thread-polling"])
 async def test_worker_leaves_the_loop_and_its_class_unchanged(mode):
