@@ -328,7 +328,7 @@ async def _client(args, port: int, alone: dict[str, dict]) -> dict:
         phases.append(rec)
     await command(CMD_QUIT, "none", 0)
     await api.close(ep)
-    return {"mode": args.mode, "spin_us": api.worker.spin_us, "work": args.work,
+    return {"mode": args.mode, "spin_us": "auto" if api.worker.spin_auto else api.worker.spin_us, "work": args.work,
             "switch_interval_s": sys.getswitchinterval(), "phases": phases}
 
 
@@ -500,13 +500,15 @@ def render(data: dict) -> str:
     ar = alone_rates(data["runs"])
     slice_ms = (f"{1e3 / ar[('client', 'loop', 'cpu_rate')]:.2f} ms"
                 if ar.get(("client", "loop", "cpu_rate")) else "?")
-    spins = sorted({(run["mode"], run["spin_us"]) for run in data["runs"] if "error" not in run})
+    spins = sorted({(run["mode"], str(run["spin_us"] if run["spin_us"] == "auto"
+                                      else f"{run['spin_us']:g} µs"))
+                    for run in data["runs"] if "error" not in run})
     pin = ("each process pinned to one CPU for all its threads"
            if cfg.get("cpus") else "not pinned")
     w(f"Busy work in both processes: *busy loop task* (an asyncio task computing "
       f"{slice_ms} slices, then yielding) or *busy Python thread* (GIL switch interval "
       f"{cfg.get('switch_interval_ms', 5):g} ms). Spin "
-      + ", ".join(f"{md} {sp:g} µs" for md, sp in spins)
+      + ", ".join(f"{md} {sp}" for md, sp in spins)
       + f"; {pin}; {cfg['rounds']} rounds. *work*: the busy work's share of the "
       "process's CPU time (alone: about 100 %).\n")
     kinds = [k for k in cfg["busy"] if k != "none"]

@@ -59,7 +59,9 @@ def test_contention_tiny_run(tmp_path):
                 assert p["client_cpu_rate"] >= 0 and p["server_cpu_rate"] >= 0
                 assert 0 <= p["client_share"] <= 1 and 0 <= p["server_share"] <= 1
                 assert 0 < p["client_alone_share"] <= 1
-        assert run["spin_us"] == (100.0 if run["mode"] == "polling" else 0.0)
+        # each mode's default: adaptive in blocking and thread mode
+        assert run["spin_us"] == {"polling": 100.0, "thread-polling": 0.0}.get(
+            run["mode"], "auto")
     s = data["summary"]
     for mode in MODES:
         assert s[f"tcp|{mode}|1|none"]["median_ns"] > 0
