@@ -1,6 +1,7 @@
 /*
  * engine.c - the progress engine of a Worker: DRAIN, ARM, the "touched"
- * rule, the readers the loop runs for the worker's fd, and the await spin.
+ * rule, the readers the loop runs for the worker's fd, the busy poll and
+ * the await spin.
  * Owns no Python object and no UCX handle (the Worker owns both); runs on
  * the loop's thread, with the worker lock held around UCX calls.
  *
@@ -269,8 +270,9 @@ ucxx_worker_on_notify(WorkerObject *w, PyObject *unused)
 static int busy_poll_step(WorkerObject *w);
 
 /* _rearm: drain and arm before the loop polls.  Queued as a busy poll
- * (poll_at set, see ucxx_worker_busy_poll), it first polls the worker if
- * the loop ran other work for UCXX_BUSY_GAP_US since it was queued, and
+ * (poll_at set, see ucxx_worker_busy_poll), it polls the worker instead
+ * while the loop is busy (the first poll: loop_busy says so; later ones:
+ * the loop iteration since the last took UCXX_BUSY_GAP_US or more), and
  * queues itself again while requests are pending: the loop does not sleep
  * while it is queued, so the worker need not be armed meanwhile. */
 PyObject *
