@@ -289,12 +289,14 @@ ucxx_worker_rearm(WorkerObject *w, PyObject *unused)
             /* Queued by the last poll: this is one loop iteration later. */
             w->loop_busy = now - at >= UCXX_BUSY_GAP_US;
         }
-        if (w->loop_busy && busy_poll_step(w)) {
+        if (w->loop_busy) {
             w->busy_polls++;
             w->dispatched_at = now;
-            w->poll_at = now;
-            schedule_rearm(w);
-            Py_RETURN_NONE;
+            if (busy_poll_step(w)) {
+                w->poll_at = now;
+                schedule_rearm(w);
+                Py_RETURN_NONE;
+            }
         }
     }
     if (w->mode == UCXX_MODE_BLOCKING && !w->armed &&

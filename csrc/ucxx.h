@@ -245,7 +245,7 @@ struct WorkerObject {
     unsigned spin_backoff;       /* auto: sleeps left before it may grow */
     unsigned spin_backoff_len;   /* auto: the next back-off's length */
     unsigned long spin_hits, spin_grows, spin_shrinks, slice_yields;
-    unsigned long busy_polls;    /* busy polls that found requests pending */
+    unsigned long busy_polls;    /* polls made because the loop was busy */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *loop;              /* strong: attached event loop or NULL */
