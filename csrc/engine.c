@@ -561,6 +561,33 @@ spin_take_notify(WorkerObject *w)
     }
 }
 
+/* A spin step and, if it found work, its dispatch: 1 if it dispatched. */
+static int
+spin_step_dispatch(WorkerObject *w)
+{
+    if (!spin_step(w)) {
+        return 0;
+    }
+    ucxx_lock(w);
+    spin_take_notify(w);
+    ucxx_worker_dispatch(w);
+    ucxx_unlock(w);
+    return 1;
+}
+
+/* Thread mode, after spin steps: if the loop thread called UCX while the
+ * progress thread slept on an armed worker, the thread drains and
+ * re-arms. */
+static void
+spin_progressed_touched(WorkerObject *w)
+{
+    if (w->spin_progressed) {
+        ucxx_lock(w);
+        ucxx_worker_touched(w);
+        ucxx_unlock(w);
+    }
+}
+
 /* One busy poll: a spin step and its dispatch.  1 if requests are still
  * pending (poll again next iteration). */
 static int
@@ -572,16 +599,9 @@ busy_poll_step(WorkerObject *w)
     if (!UCXX_THREADED(w)) {
         w->armed = 0;
     }
-    if (spin_step(w)) {
-        ucxx_lock(w);
-        spin_take_notify(w);
-        ucxx_worker_dispatch(w);
-        ucxx_unlock(w);
-    }
+    spin_step_dispatch(w);
+    spin_progressed_touched(w);
     ucxx_lock(w);
-    if (w->spin_progressed) {
-        ucxx_worker_touched(w);
-    }
     pending = !ucxx_list_empty(&w->pending);
     ucxx_unlock(w);
     return pending;
@@ -629,11 +649,7 @@ ucxx_spin(RequestObject *r)
         ucxx_worker_touched(w);
     }
     for (;;) {
-        if (spin_step(w)) {
-            ucxx_lock(w);
-            spin_take_notify(w);
-            ucxx_worker_dispatch(w);
-            ucxx_unlock(w);
+        if (spin_step_dispatch(w)) {
             if (r->status != UCS_INPROGRESS) {
                 rc = UCXX_SPIN_DONE;
                 preempted |= ucxx_now_us() - last > UCXX_SPIN_GAP_US;
@@ -658,13 +674,7 @@ ucxx_spin(RequestObject *r)
             }
         }
     }
-    if (w->spin_progressed) {
-        /* The loop thread called UCX while the progress thread slept on an
-         * armed worker: the thread drains and re-arms. */
-        ucxx_lock(w);
-        ucxx_worker_touched(w);
-        ucxx_unlock(w);
-    }
+    spin_progressed_touched(w);
     if (rc == UCXX_SPIN_DONE) {
         w->spin_hits++;
     }

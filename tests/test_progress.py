@@ -257,6 +257,15 @@ async def _echo_stop(s):
     await s.finish()
 
 
+async def _cancel_and_stop(s, r):
+    """Cancel ``r``, a receive nothing will match, then stop the peer."""
+    assert not r.done()
+    r.cancel()
+    with pytest.raises(ucxx.exceptions.UCXCanceledError):
+        await r
+    await _echo_stop(s)
+
+
 FAIR_MODES = [("blocking", None), ("polling", None), ("thread", None),
               ("thread-polling", None), ("blocking", 50.0)]
 
@@ -413,11 +422,7 @@ async def test_idle_process_with_a_pending_receive_uses_no_cpu(mode):
         me0, peer0 = _cpu_of(os.getpid()), _cpu_of(s.peer.proc.pid)
         await asyncio.sleep(3.0)
         me, peer = _cpu_of(os.getpid()) - me0, _cpu_of(s.peer.proc.pid) - peer0
-        assert not r.done()
-        r.cancel()
-        with pytest.raises(ucxx.exceptions.UCXCanceledError):
-            await r
-        await _echo_stop(s)
+        await _cancel_and_stop(s, r)
     finally:
         s.close()
     assert me <= 0.03 and peer <= 0.03, f"idle CPU in 3 s: {me:.3f} s here, {peer:.3f} s in the peer"
@@ -475,10 +480,7 @@ async def test_busy_loop_polls_the_worker_and_stops_when_idle(mode):
         await asyncio.sleep(0.2)
         assert s.w.spin_stats["busy_polls"] == polls
         assert mode != "blocking" or s.w.armed
-        r.cancel()
-        with pytest.raises(ucxx.exceptions.UCXCanceledError):
-            await r
-        await _echo_stop(s)
+        await _cancel_and_stop(s, r)
     finally:
         probe.close()
         s.close()
