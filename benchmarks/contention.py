@@ -328,7 +328,7 @@ async def _client(args, port: int, alone: dict[str, dict]) -> dict:
         phases.append(rec)
     await command(CMD_QUIT, "none", 0)
     await api.close(ep)
-    return {"mode": args.mode, "spin_us": "auto" if api.worker.spin_auto else api.worker.spin_us, "work": args.work,
+    return {"mode": args.mode, "spin_us": "auto" if getattr(api.worker, "spin_auto", False) else api.worker.spin_us, "work": args.work,
             "switch_interval_s": sys.getswitchinterval(), "phases": phases}
 
 

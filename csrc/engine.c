@@ -1,6 +1,6 @@
 /*
  * engine.c - the progress engine of a Worker: DRAIN, ARM, the "touched"
- * rule, the readers the loop runs for the worker's fd, the busy poll and
+ * rule, the readers the loop runs for the worker's fd, the busy yield and
  * the await spin.
  * Owns no Python object and no UCX handle (the Worker owns both); runs on
  * the loop's thread, with the worker lock held around UCX calls.
@@ -267,40 +267,12 @@ ucxx_worker_on_notify(WorkerObject *w, PyObject *unused)
     Py_RETURN_NONE;
 }
 
-static int busy_poll_step(WorkerObject *w);
-
-/* _rearm: drain and arm before the loop polls.  Queued as a busy poll
- * (poll_at set, see ucxx_worker_busy_poll), it polls the worker instead
- * while the loop is busy (the first poll: loop_busy says so; later ones:
- * the loop iteration since the last took UCXX_BUSY_GAP_US or more), and
- * queues itself again while requests are pending: the loop does not sleep
- * while it is queued, so the worker need not be armed meanwhile. */
+/* _rearm: drain and arm before the loop polls. */
 PyObject *
 ucxx_worker_rearm(WorkerObject *w, PyObject *unused)
 {
-    double at = w->poll_at;
-
     w->rearm_scheduled = 0;
-    w->poll_at = 0.0;
-    if (at != 0.0 && w->handle != NULL) {
-        double now = ucxx_now_us();
-
-        if (at > 0.0) {
-            /* Queued by the last poll: this is one loop iteration later. */
-            w->loop_busy = now - at >= UCXX_BUSY_GAP_US;
-        }
-        if (w->loop_busy) {
-            w->busy_polls++;
-            w->dispatched_at = now;
-            if (busy_poll_step(w)) {
-                w->poll_at = now;
-                schedule_rearm(w);
-                Py_RETURN_NONE;
-            }
-        }
-    }
-    if (w->mode == UCXX_MODE_BLOCKING && !w->armed &&
-        ucxx_worker_service(w, 0) < 0) {
+    if (!w->armed && ucxx_worker_service(w, 0) < 0) {
         unraisable((PyObject *)w);
     }
     Py_RETURN_NONE;
@@ -316,20 +288,6 @@ ucxx_worker_resumed(WorkerObject *w)
         w->loop_busy = ucxx_now_us() - w->dispatched_at >= UCXX_BUSY_GAP_US;
         w->dispatched_at = 0.0;
     }
-}
-
-/* An await suspends on a busy loop: queue _rearm as a busy poll.  The fd
- * reader's wake-ups run one loop iteration after the fd was seen ready
- * (asyncio queues both), one busy iteration more than a poll that runs
- * in the same iteration as the others' callbacks. */
-void
-ucxx_worker_busy_poll(WorkerObject *w)
-{
-    if (!w->loop_busy || w->handle == NULL) {
-        return;
-    }
-    w->poll_at = -1.0;          /* the first poll trusts loop_busy */
-    schedule_rearm(w);
 }
 
 /* ---- the await spin and the time slice ---------------------------------- */
@@ -588,23 +546,42 @@ spin_progressed_touched(WorkerObject *w)
     }
 }
 
-/* One busy poll: a spin step and its dispatch.  1 if requests are still
- * pending (poll again next iteration). */
-static int
-busy_poll_step(WorkerObject *w)
+/* The await of r on a busy loop, before a busy yield or resumed after one
+ * (resumed: the iteration since the yield tells whether the loop is still
+ * busy): one spin step.  UCXX_SPIN_DONE if r completed; UCXX_SPIN_YIELD
+ * while the loop is busy (iterations of UCXX_BUSY_GAP_US or more): yield,
+ * poll again next iteration; UCXX_SPIN_SLEEP once it is not: suspend
+ * until the completion. */
+int
+ucxx_busy_step(RequestObject *r, int resumed)
 {
-    int pending;
+    WorkerObject *w = r->worker;
 
-    w->spin_progressed = 0;
-    if (!UCXX_THREADED(w)) {
-        w->armed = 0;
+    if (resumed) {
+        w->loop_busy = ucxx_now_us() - r->busy_yield_at >= UCXX_BUSY_GAP_US;
+        r->busy_yield_at = 0.0;
+        w->slice_start = 0.0;
     }
-    spin_step_dispatch(w);
-    spin_progressed_touched(w);
-    ucxx_lock(w);
-    pending = !ucxx_list_empty(&w->pending);
-    ucxx_unlock(w);
-    return pending;
+    if (r->status == UCS_INPROGRESS && w->handle != NULL) {
+        w->busy_polls++;
+        if (UCXX_THREADED(w)) {
+            w->spin_progressed = 0;
+            spin_step_dispatch(w);
+            spin_progressed_touched(w);
+        } else {
+            /* Touched first (an armed worker queues _rearm): should r's
+             * task go on without suspending, the worker is re-armed before
+             * the loop sleeps.  A drain, as the fd reader's: a large
+             * message may need many progress calls. */
+            ucxx_worker_touched(w);
+            ucxx_worker_drain(w, UCXX_DRAIN_BUDGET);
+        }
+    }
+    if (r->status != UCS_INPROGRESS) {
+        return UCXX_SPIN_DONE;
+    }
+    return w->loop_busy && w->handle != NULL ? UCXX_SPIN_YIELD
+                                             : UCXX_SPIN_SLEEP;
 }
 
 /*

@@ -137,7 +137,7 @@ ucxx_worker_detach(WorkerObject *w)
     w->rearm_scheduled = 0;
     w->slice_start = 0.0;
     w->loop_busy = 0;
-    w->poll_at = w->dispatched_at = 0.0;
+    w->dispatched_at = 0.0;
     closed = loop_is_closed(st, loop);
     if (!closed && w->mode == UCXX_MODE_BLOCKING && w->efd >= 0) {
         res = PyObject_CallMethod(loop, "remove_reader", "i", w->efd);

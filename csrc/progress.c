@@ -60,7 +60,13 @@ Progress_am_send(ProgressObject *p, PyObject *arg, PyObject **presult)
     Py_CLEAR(w->waiter);
     w->slice_start = 0.0;       /* the loop gave this task a turn */
     if (w->mode == UCXX_MODE_POLLING) {
+        unsigned long wakeups = w->wakeups;
+
         ucxx_worker_drain(w, UCXX_DRAIN_BUDGET);
+        if (w->wakeups != wakeups) {
+            /* the woken tasks tell how busy the loop is (busy yield) */
+            w->dispatched_at = ucxx_now_us();
+        }
         *presult = Py_NewRef(Py_None);
         return PYGEN_NEXT;
     }

@@ -57,6 +57,7 @@ ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
     r->future = NULL;
     r->wait_start = 0.0;
     r->slice_yielded = 0;
+    r->busy_yield_at = 0.0;
     r->next_done = NULL;
     ucxx_list_init(&r->wlink);
     ucxx_list_init(&r->elink);
@@ -531,7 +532,9 @@ ucxx_request_post_stream(EndpointObject *ep, PyObject *buf, int recv)
  * future, leaving the worker armed so that the loop's poll sees the next
  * event (the progress invariant).  A request that is done returns at once,
  * unless the time slice is spent: then the task gives the loop one turn
- * first (a bare yield, as asyncio.sleep(0)).
+ * first (a bare yield, as asyncio.sleep(0)).  On a busy loop a pending
+ * request neither spins on an auto budget nor suspends: it polls once per
+ * loop iteration (engine.c, ucxx_busy_step).
  */
 static PySendResult
 Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
@@ -547,13 +550,22 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
         }
         goto suspend;
     }
+    if (r->busy_yield_at != 0.0) {
+        switch (ucxx_busy_step(r, 1)) {
+        case UCXX_SPIN_DONE:
+            goto done;
+        case UCXX_SPIN_YIELD:
+            goto busy_yield;
+        }
+        goto sleep;
+    }
     if (r->status != UCS_INPROGRESS) {
         if (!r->slice_yielded && ucxx_slice_spent(w)) {
             goto yield;
         }
         goto done;
     }
-    if (w->spin_us > 0) {
+    if (w->spin_us > 0 && !(w->loop_busy && w->spin_auto)) {
         switch (ucxx_spin(r)) {
         case UCXX_SPIN_DONE:
             goto done;
@@ -561,6 +573,8 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
             goto yield;
         }
     }
+
+sleep:
     st = ucxx_state_of((PyObject *)r);
     loop = PyObject_CallNoArgs(st->get_running_loop);
     if (loop == NULL) {
@@ -573,6 +587,14 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
         return PYGEN_ERROR;
     }
     Py_DECREF(loop);
+    if (w->loop_busy) {
+        switch (ucxx_busy_step(r, 0)) {
+        case UCXX_SPIN_DONE:
+            goto done;
+        case UCXX_SPIN_YIELD:
+            goto busy_yield;
+        }
+    }
     if (w->mode == UCXX_MODE_BLOCKING && !w->armed && w->handle != NULL) {
         if (ucxx_worker_service(w, 0) < 0) {
             *presult = NULL;
@@ -594,7 +616,6 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
         return PYGEN_ERROR;
     }
     w->slice_start = 0.0;
-    ucxx_worker_busy_poll(w);
 
 suspend:
     st = ucxx_state_of((PyObject *)r);
@@ -603,6 +624,14 @@ suspend:
         return PYGEN_ERROR;
     }
     *presult = Py_NewRef(r->future);
+    return PYGEN_NEXT;
+
+busy_yield:
+    /* The loop is busy: poll again in its next iteration (a bare yield),
+     * rather than wait for the fd reader, whose wake-ups run one
+     * iteration after it. */
+    r->busy_yield_at = ucxx_now_us();
+    *presult = Py_NewRef(Py_None);
     return PYGEN_NEXT;
 
 yield:

@@ -218,12 +218,11 @@ struct WorkerObject {
     int mode;                    /* UCXX_MODE_* */
     int armed;                   /* ucp_worker_arm succeeded, no UCX call since */
     int rearm_scheduled;         /* a rearm callback is in loop's ready queue */
-    /* Busy loop (engine.c, "busy poll"): the loop runs other work between
-     * its polls, so the queued _rearm polls once per loop iteration */
+    /* Busy loop (engine.c, "busy yield"): the loop runs other work between
+     * its polls, so a pending await polls once per loop iteration */
     int loop_busy;               /* the last resume came long after its
-                                    completion was dispatched */
-    double poll_at;              /* ucxx_now_us() when _rearm was queued as
-                                    a busy poll; 0: a plain rearm */
+                                    completion was dispatched, or after
+                                    its yield */
     double dispatched_at;        /* when a reader or poll last dispatched */
     int dispatching;             /* re-entrancy guard for dispatch */
     int peer_errors_ok;          /* an endpoint with error handling worked */
@@ -245,7 +244,7 @@ struct WorkerObject {
     unsigned spin_backoff;       /* auto: sleeps left before it may grow */
     unsigned spin_backoff_len;   /* auto: the next back-off's length */
     unsigned long spin_hits, spin_grows, spin_shrinks, slice_yields;
-    unsigned long busy_polls;    /* polls made because the loop was busy */
+    unsigned long busy_polls;    /* busy-yield polls (the loop was busy) */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *loop;              /* strong: attached event loop or NULL */
@@ -365,6 +364,8 @@ struct RequestObject {
                                     wait (spin, then sleep); 0: not yet */
     unsigned long sleep_calls;   /* ucxx_state.ucx_calls then */
     int slice_yielded;           /* gave the loop its turn (time slice) */
+    double busy_yield_at;        /* ucxx_now_us() when its await yielded
+                                    to a busy loop; 0: it did not */
     RequestObject *next_done;    /* worker done list */
     ucxx_link wlink;             /* worker->pending while UCX holds it */
     ucxx_link elink;             /* endpoint->am_waiters (AM_RECV) */
@@ -495,7 +496,7 @@ PyObject *ucxx_worker_on_efd(WorkerObject *w, PyObject *unused);
 PyObject *ucxx_worker_on_notify(WorkerObject *w, PyObject *unused);
 PyObject *ucxx_worker_rearm(WorkerObject *w, PyObject *unused);
 void ucxx_worker_resumed(WorkerObject *w);
-void ucxx_worker_busy_poll(WorkerObject *w);
+int ucxx_busy_step(RequestObject *r, int resumed);
 double ucxx_now_us(void);
 int ucxx_spin(RequestObject *r);
 int ucxx_slice_spent(WorkerObject *w);

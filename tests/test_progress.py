@@ -450,13 +450,13 @@ class _BusyTask:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("mode", ["blocking", "thread", "thread-polling"])
+@pytest.mark.parametrize("mode", ["blocking", "polling", "thread", "thread-polling"])
 async def test_busy_loop_polls_the_worker_and_stops_when_idle(mode):
-    """Beside a task that keeps the loop busy, a suspended await's worker is
-    polled once per loop iteration (spin_stats["busy_polls"]) instead of
-    waiting for the fd reader, whose wake-ups run one iteration later; the
-    polls stop once the loop is idle, and a blocking worker is armed again
-    before the loop sleeps."""
+    """Beside a task that keeps the loop busy, a pending await yields and
+    polls the worker once per loop iteration (spin_stats["busy_polls"])
+    instead of waiting for the fd reader or the progress task, whose
+    wake-ups run one iteration later; the polls stop once the loop is idle,
+    and a blocking worker is armed again before the loop sleeps."""
     s = await _peer.connect("tcp", "echo", mode, 0.0, peer_mode="blocking")
     loop = asyncio.get_running_loop()
     probe = BlockingPollProbe(loop, [s.w])
@@ -488,10 +488,10 @@ async def test_busy_loop_polls_the_worker_and_stops_when_idle(mode):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("mode", ["blocking", "thread"])
+@pytest.mark.parametrize("mode", ["blocking", "polling", "thread"])
 async def test_stress_beside_a_busy_task(mode):
     """The two-process stress with another task keeping the loop busy: the
-    busy polls carry part of the progress, every payload arrives, and a
+    busy-yield polls carry part of the progress, every payload arrives, and a
     blocking worker is never unarmed at a blocking poll."""
     seed = seed_of("busy", mode)
     loop = asyncio.get_running_loop()
