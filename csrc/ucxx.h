@@ -223,7 +223,8 @@ struct WorkerObject {
     int loop_busy;               /* the last resume came long after its
                                     completion was dispatched, or after
                                     its yield */
-    double dispatched_at;        /* when a reader or poll last dispatched */
+    double dispatched_at;        /* when an fd reader or the polling
+                                    progress task last dispatched */
     int dispatching;             /* re-entrancy guard for dispatch */
     int peer_errors_ok;          /* an endpoint with error handling worked */
     int no_peer_errors;          /* transports cannot detect peer failure */
