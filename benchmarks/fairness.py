@@ -2,9 +2,10 @@
 
 One process runs, in one asyncio loop, a *ticker* (``await
 asyncio.sleep(tick)`` in a loop, recording how late each wake-up is
-against its deadline, the time of the sleep call plus ``tick``) and a 1-byte
-ping-pong with an echo peer in a second process, as fast as it goes, both
-for ``--duration`` seconds after a warm-up. Reported: the ticker's wake-up
+against its deadline, the time of the sleep call plus ``tick``) and a
+ping-pong of ``--n-bytes`` messages (1 by default) with an echo peer in a
+second process, as fast as it goes, both for ``--duration`` seconds after
+a warm-up. Reported: the ticker's wake-up
 count and lateness (p50, p99, max), and the ping-pong's round trips per
 second and median one-way time in the same window. Both processes use only
 the public API (``ucxx.init``, ``create_listener``, ``create_endpoint``,
@@ -14,6 +15,7 @@ RAPIDS ucxx.
     python benchmarks/fairness.py                          # every mode, ours and RAPIDS, tcp
     python benchmarks/fairness.py --packages ours --modes polling --spin-us default,0,50
     python benchmarks/fairness.py --duration 0.3 --json    # small and fast
+    python benchmarks/fairness.py --packages ours --modes polling --tls shm --n-bytes 1M
 
 ``--spin-us`` values go to ``ucxx.init(spin_us=...)`` of this package's
 processes (``default`` passes nothing; a value the package rejects is
@@ -42,6 +44,7 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 import anchor_util as au  # noqa: E402
+from ref.run_ref import parse_size  # noqa: E402
 
 SCRIPT = str(HERE / "fairness.py")
 PING, STOP = 1, 0
@@ -59,7 +62,7 @@ def _init(ucxx, args) -> None:
 
 
 async def _echo(args) -> None:
-    """The peer: echo every 1-byte message until a STOP byte."""
+    """The peer: echo every message until one that starts with STOP."""
     import numpy as np
     import ucxx
 
@@ -67,7 +70,7 @@ async def _echo(args) -> None:
     done = asyncio.Event()
 
     async def handler(ep):
-        buf = np.zeros(1, dtype="u1")
+        buf = np.zeros(args.n_bytes, dtype="u1")
         try:
             while True:
                 await ep.recv(buf)
@@ -92,7 +95,7 @@ async def _measure(args) -> None:
 
     _init(ucxx, args)
     ep = await ucxx.create_endpoint(args.address, args.port)
-    buf = np.full(1, PING, dtype="u1")
+    buf = np.full(args.n_bytes, PING, dtype="u1")
     for _ in range(args.warmup):
         await ep.send(buf)
         await ep.recv(buf)
@@ -157,6 +160,7 @@ async def _measure(args) -> None:
 def measure(mode: str = "blocking", spin_us: str | float | None = None, *,
             package: str = "ours", duration: float = 3.0, tls: str = "tcp",
             tick_ms: float = 1.0, warmup: int = 500, traffic: bool = True,
+            n_bytes: int = 1,
             python: str | None = None, rapids_python: str | None = None,
             net_devices: str = au.NET_DEVICES, address: str = au.ADDRESS,
             env: dict | None = None, timeout: float | None = None) -> dict:
@@ -168,10 +172,11 @@ def measure(mode: str = "blocking", spin_us: str | float | None = None, *,
     penv = au.package_env(package, tls, net_devices)
     penv.update(env or {})
     timeout = timeout if timeout is not None else 60.0 + 2 * duration
-    common = ["--mode", mode]
+    common = ["--mode", mode, "--n-bytes", str(n_bytes)]
     if package == "ours" and spin_us not in (None, "default"):
         common += ["--spin-us", str(spin_us)]
     out = {"package": package, "mode": mode, "tls": tls, "duration": duration,
+           "n_bytes": n_bytes,
            "tick_ms": tick_ms, "traffic": traffic,
            "spin_us": "default" if package == "ours" and spin_us in (None, "default")
            else (str(spin_us) if package == "ours" else None)}
@@ -240,6 +245,8 @@ def main(argv=None) -> int:
     p.add_argument("--tls", default="tcp", help="comma list of tcp, shm")
     p.add_argument("--duration", type=float, default=3.0, help="seconds (default 3)")
     p.add_argument("--tick-ms", type=float, default=1.0)
+    p.add_argument("--n-bytes", type=parse_size, default=1,
+                   help="ping-pong message size (default 1; 1K, 1M, ...)")
     p.add_argument("--warmup", type=int, default=500, help="round trips before the window")
     p.add_argument("--no-traffic", dest="traffic", action="store_false",
                    help="the ticker alone (connected, no ping-pong)")
@@ -273,7 +280,8 @@ def main(argv=None) -> int:
                     try:
                         r = measure(mode, spin, package=pkg, duration=args.duration,
                                     tls=tls, tick_ms=args.tick_ms, warmup=args.warmup,
-                                    traffic=args.traffic, rapids_python=args.rapids_python,
+                                    traffic=args.traffic, n_bytes=args.n_bytes,
+                                    rapids_python=args.rapids_python,
                                     net_devices=args.net_devices)
                     except au.AnchorError as exc:
                         r = {"package": pkg, "mode": mode, "tls": tls,
