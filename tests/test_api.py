@@ -134,7 +134,7 @@ def test_default_ucx_options(monkeypatch):
     from ucxx._lib_async.application_context import effective_options
 
     defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "inf", "TCP_USER_TIMEOUT": "30s",
-                "TCP_CM_REUSEADDR": "y"}
+                "TCP_CM_REUSEADDR": "y", "TCP_TX_SEG_SIZE": "64K"}
     for name in defaults:
         monkeypatch.delenv(f"UCX_{name}", raising=False)
     assert effective_options() == defaults
@@ -145,6 +145,29 @@ def test_default_ucx_options(monkeypatch):
     ucxx.init(options={"TLS": "tcp"})
     assert ucxx.core._ctx.options == {"TLS": "tcp", **opts}
     assert ucxx.get_config()["KEEPALIVE_INTERVAL"].startswith("1000000")
+
+
+@pytest.mark.no_ctx
+@pytest.mark.parametrize("where", ["options", "environment"])
+def test_tcp_send_segment_default_yields_to_a_receive_segment(monkeypatch, where):
+    """The 64K send segment is left to UCX where the caller sets the
+    receive segment: a smaller one would make UCX refuse the worker."""
+    from ucxx._lib_async.application_context import effective_options
+
+    for name in ("TCP_TX_SEG_SIZE", "TCP_RX_SEG_SIZE"):
+        monkeypatch.delenv(f"UCX_{name}", raising=False)
+    options = {"TLS": "tcp"}
+    if where == "options":
+        options["TCP_RX_SEG_SIZE"] = "16K"
+    else:
+        monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "16K")
+    assert "TCP_TX_SEG_SIZE" not in effective_options(options)
+    ucxx.init(options=options)      # creates the worker
+    assert "TCP_TX_SEG_SIZE" not in ucxx.core._ctx.options
+    ucxx.reset()
+    with pytest.raises(ucxx.UCXError):
+        ucxx.init(options={**options, "TCP_TX_SEG_SIZE": "64K"})
+    ucxx.reset()
 
 
 @pytest.mark.no_ctx

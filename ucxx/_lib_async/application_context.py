@@ -55,6 +55,13 @@ DEFAULT_UCX_OPTIONS = {
     # instead of failing with UCXBusyError for a minute. Two listeners on
     # one port still fail.
     "TCP_CM_REUSEADDR": "y",
+    # The tcp transport writes a message in segments of this size, one
+    # send() each. UCX's 8K makes bulk transfers system-call bound (8192
+    # send() calls per 64 MiB); 64K (UCX's receive segment size) moves
+    # 64 KiB-64 MiB 1.6-2.5x faster over tcp at the same 1 B latency.
+    # Left to UCX where the caller sets a receive segment size: a send
+    # segment larger than that makes UCX refuse the worker.
+    "TCP_TX_SEG_SIZE": "64K",
 }
 
 # Instead of TCP_KEEPIDLE=inf where the loaded UCX has no TCP_USER_TIMEOUT
@@ -105,9 +112,13 @@ def effective_options(options=None) -> dict[str, str]:
     """``options`` plus this package's defaults for the options that neither
     ``options`` nor the environment set and that the loaded UCX has."""
     opts = _normalize_options(options)
+    rx_set = "TCP_RX_SEG_SIZE" in opts or "UCX_TCP_RX_SEG_SIZE" in os.environ
     for name, value in _defaults().items():
-        if name not in opts and f"UCX_{name}" not in os.environ:
-            opts[name] = value
+        if name in opts or f"UCX_{name}" in os.environ:
+            continue
+        if name == "TCP_TX_SEG_SIZE" and rx_set:
+            continue    # UCX refuses a send segment above the receive segment
+        opts[name] = value
     return opts
 
 
