@@ -35,8 +35,11 @@ each round in blocking mode (while our processes sleep), after the
 session in polling mode (whose processes would take its CPUs):
 ``ucx_perftest -t tag_bw`` with one contiguous message of the batch's
 total and with one IOV message of the frames (``-D iov``), polling, and
-the contiguous one sleeping (``-E sleep``), same transports; gather /
-perftest is the median of the per-round ratios.
+the contiguous one sleeping (``-E sleep``), same transports, at UCX's
+defaults, and the contiguous one polling with this package's UCX defaults
+(``contig-pkg``: the options ``ucxx.init`` passes, ``UCX_TCP_TX_SEG_SIZE``
+among them, which both processes here use too); gather / perftest is the
+median of the per-round ratios.
 
     python benchmarks/gather_bench.py --pattern ack --sizes 1K --rounds 7 \
         --iters 300 --mode blocking,polling --cpus 0,1 [--spin-us 0] [--json]
@@ -81,9 +84,11 @@ from pingpong_py import (  # noqa: E402
 from ref.run_ref import parse_size, ucx_env  # noqa: E402
 
 METHODS = ("gather", "sequential", "asyncio", "single")
-# ucx_perftest runs per round: name -> (data layout, wait mode).
-PERFTEST_KINDS = {"contig": ("contig", "poll"), "iov": ("iov", "poll"),
-                  "contig-sleep": ("contig", "sleep")}
+# ucx_perftest runs per round: name -> (data layout, wait mode, this
+# package's UCX defaults too).
+PERFTEST_KINDS = {"contig": ("contig", "poll", False), "iov": ("iov", "poll", False),
+                  "contig-sleep": ("contig", "sleep", False),
+                  "contig-pkg": ("contig", "poll", True)}
 TAG = 0x47415448  # "GATH"
 
 
@@ -146,8 +151,10 @@ def _make_ops(ep, method: str, frames: list, bufs: list, big_out, big_in):
 async def _setup(args, role: str, port: int | None):
     from ucxx import _ucxx as U
 
+    from ucxx._lib_async.application_context import effective_options
+
     loop = asyncio.get_running_loop()
-    ctx = U.Context({})
+    ctx = U.Context(effective_options())
     w = U.Worker(ctx, args.mode, spin_us=args.spin_us)
     w.start(loop)
     listener = None
@@ -332,10 +339,16 @@ def perftest_binary() -> tuple[Path, dict]:
 
 
 def run_perftest(size_arg: str, layout: str, iters: int, warmup: int, cpus,
-                 port: int = 13377, wait: str = "poll") -> float:
+                 port: int = 13377, wait: str = "poll", pkg_defaults: bool = False) -> float:
     """Bandwidth (bytes/s, one way) of ``ucx_perftest -t tag_bw`` between
-    two processes on the loopback; ``size_arg`` is perftest's ``-s``."""
+    two processes on the loopback; ``size_arg`` is perftest's ``-s``;
+    ``pkg_defaults``: with this package's UCX defaults (``UCX_<NAME>``
+    for those the environment does not set)."""
     binary, env = perftest_binary()
+    if pkg_defaults:
+        from ucxx._lib_async.application_context import effective_options
+
+        env.update({f"UCX_{k}": v for k, v in effective_options().items()})
     server_cpu, client_cpu = _parse_cpus(cpus)
     common = ["-t", "tag_bw", "-s", size_arg, "-n", str(iters), "-w", str(warmup),
               "-D", f"{layout},{layout}", "-E", wait, "-p", str(port), "-f"]
@@ -373,10 +386,10 @@ def perftest_round(args, perf: dict) -> None:
     """One ``ucx_perftest`` run per size and layout, appended to ``perf``."""
     warmup = max(2, args.perftest_iters // 10)
     for s, runs in perf.items():
-        for kind, (layout, wait) in PERFTEST_KINDS.items():
+        for kind, (layout, wait, pkg) in PERFTEST_KINDS.items():
             size = f"{s}:{args.frames}" if layout == "iov" else str(s * args.frames)
             runs[kind].append(run_perftest(size, layout, args.perftest_iters, warmup,
-                                           args.cpus, wait=wait))
+                                           args.cpus, wait=wait, pkg_defaults=pkg))
 
 
 def _summarise_perftest(args, perf: dict, times: dict) -> dict:
@@ -426,7 +439,8 @@ def format_table(res: dict) -> str:
     if perf:
         lines.append("ucx_perftest -t tag_bw, same transports: one message of the batch "
                      "(contig), one IOV message of the frames (iov), polling; contig "
-                     "sleeping (-E sleep); gather / perftest per round, median [range]:")
+                     "sleeping (-E sleep); contig with this package's UCX defaults "
+                     "(contig-pkg); gather / perftest per round, median [range]:")
         for s, p in perf.items():
             lines.append(f"{_size_label(int(s)):>7} " + "; ".join(
                 f"{k} {p[k]['bandwidth_Bps'] / 1e6:.0f} MB/s, gather / {k} "

@@ -1,5 +1,5 @@
-"""``benchmarks/anchors.py`` (``suite.py --anchors``), ``idle_cpu.py`` and
-``fairness.py`` end to end in their smallest modes: this package and raw
+"""``benchmarks/anchors.py`` (``suite.py --anchors``), ``idle_cpu.py``,
+``fairness.py`` and ``gather_bench.py`` end to end in their smallest modes: this package and raw
 ``ucx_perftest`` always; RAPIDS ucxx where its interpreter is installed
 (``$UCXX_RAPIDS_PYTHON``, default ``/work/rapids-venv``), its parts skipped
 with a message otherwise. Nothing here depends on timings."""
@@ -106,6 +106,25 @@ def test_fairness_measure_function():
     assert set(r["late_ms"]) == {"p50", "p99", "max"}
     with pytest.raises(anchor_util.AnchorError, match="spin_us"):
         fairness.measure("blocking", spin_us="not-a-number", duration=0.1, warmup=2)
+    r = fairness.measure("polling", duration=0.2, warmup=5, n_bytes=64 << 10)
+    assert r["n_bytes"] == 64 << 10 and r["round_trips"] > 0 and r["ticks"] > 0
+
+
+@pytest.mark.timeout(120)
+def test_gather_bench_tiny_run_with_perftest():
+    """Every method, and ucx_perftest at UCX's defaults and at this
+    package's (``contig-pkg``)."""
+    r = _run("gather_bench.py", "--pattern", "ack", "--sizes", "64K", "--frames", "4",
+             "--rounds", "1", "--iters", "3", "-w", "1", "--perftest",
+             "--perftest-iters", "5", "--json", timeout=100)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    data = json.loads(r.stdout)
+    e = data["sizes"]["65536"]
+    for m in ("gather", "sequential", "asyncio", "single"):
+        assert e[m]["batch_ns_median"] > 0, m
+    perf = data["perftest"]["65536"]
+    assert set(perf) == {"contig", "iov", "contig-sleep", "contig-pkg"}
+    assert all(v["bandwidth_Bps"] > 0 and v["gather_ratio"] > 0 for v in perf.values())
 
 
 @pytest.mark.timeout(120)
