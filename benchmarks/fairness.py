@@ -5,9 +5,9 @@ asyncio.sleep(tick)`` in a loop, recording how late each wake-up is
 against its deadline, the time of the sleep call plus ``tick``) and a
 ping-pong of ``--n-bytes`` messages (1 by default) with an echo peer in a
 second process, as fast as it goes, both for ``--duration`` seconds after
-a warm-up. Reported: the ticker's wake-up
-count and lateness (p50, p99, max), and the ping-pong's round trips per
-second and median one-way time in the same window. Both processes use only
+a warm-up. Reported: the ticker's wake-up count and lateness (p50, p99,
+max), and the ping-pong's round trips per second and median one-way time
+in the same window. Both processes use only
 the public API (``ucxx.init``, ``create_listener``, ``create_endpoint``,
 ``Endpoint.send/recv/close``), so the same code runs on this package and on
 RAPIDS ucxx.

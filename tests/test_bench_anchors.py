@@ -1,8 +1,9 @@
 """``benchmarks/anchors.py`` (``suite.py --anchors``), ``idle_cpu.py``,
-``fairness.py`` and ``gather_bench.py`` end to end in their smallest modes: this package and raw
-``ucx_perftest`` always; RAPIDS ucxx where its interpreter is installed
-(``$UCXX_RAPIDS_PYTHON``, default ``/work/rapids-venv``), its parts skipped
-with a message otherwise. Nothing here depends on timings."""
+``fairness.py`` and ``gather_bench.py`` end to end in their smallest
+modes: this package and raw ``ucx_perftest`` always; RAPIDS ucxx where its
+interpreter is installed (``$UCXX_RAPIDS_PYTHON``, default
+``/work/rapids-venv``), its parts skipped with a message otherwise.
+Nothing here depends on timings."""
 
 from __future__ import annotations
 
