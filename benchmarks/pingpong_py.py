@@ -121,13 +121,15 @@ def _parse_cpus(text) -> tuple[int | None, int | None]:
 
 
 class _Core:
-    """The extension's objects, no handshake: fixed tags."""
+    """The extension's objects, no handshake: fixed tags. UCX gets the
+    package's default options, as under the public API."""
 
     def __init__(self, mode: str, spin_us: float | None):
         from ucxx import _ucxx
+        from ucxx._lib_async.application_context import effective_options
 
         self.U = _ucxx
-        self.ctx = _ucxx.Context({})
+        self.ctx = _ucxx.Context(effective_options())
         self.worker = _ucxx.Worker(self.ctx, mode, spin_us=spin_us)
         self.listener = None
 

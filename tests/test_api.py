@@ -134,7 +134,8 @@ def test_default_ucx_options(monkeypatch):
     from ucxx._lib_async.application_context import effective_options
 
     defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "inf", "TCP_USER_TIMEOUT": "30s",
-                "TCP_CM_REUSEADDR": "y", "TCP_TX_SEG_SIZE": "64K"}
+                "TCP_CM_REUSEADDR": "y", "TCP_TX_SEG_SIZE": "64K",
+                "RNDV_THRESH": "intra:8m,inter:auto"}
     for name in defaults:
         monkeypatch.delenv(f"UCX_{name}", raising=False)
     assert effective_options() == defaults
