@@ -128,9 +128,10 @@ def test_init_env_takes_precedence(monkeypatch):
 @pytest.mark.no_ctx
 def test_default_ucx_options(monkeypatch):
     """docs/DECISIONS.md: UCX keepalive every 1 s, also on tcp (the
-    kernel's TCP keepalive off) and a 30 s TCP user timeout (which bounds a
-    silent peer), each unless the caller's options or the environment set
-    it."""
+    kernel's TCP keepalive off), a 30 s TCP user timeout (which bounds a
+    silent peer), 64K tcp send segments and eager messages up to 8 MiB
+    within a host, each unless the caller's options or the environment set
+    it; UCX takes them."""
     from ucxx._lib_async.application_context import effective_options
 
     defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "inf", "TCP_USER_TIMEOUT": "30s",
@@ -146,6 +147,7 @@ def test_default_ucx_options(monkeypatch):
     ucxx.init(options={"TLS": "tcp"})
     assert ucxx.core._ctx.options == {"TLS": "tcp", **opts}
     assert ucxx.get_config()["KEEPALIVE_INTERVAL"].startswith("1000000")
+    assert ucxx.get_config()["RNDV_THRESH"].lower() == "intra:8m,inter:auto"
 
 
 @pytest.mark.no_ctx
