@@ -129,7 +129,7 @@ def test_init_env_takes_precedence(monkeypatch):
 def test_default_ucx_options(monkeypatch):
     """docs/DECISIONS.md: UCX keepalive every 1 s, also on tcp (the
     kernel's TCP keepalive off), a 30 s TCP user timeout (which bounds a
-    silent peer), 64K tcp send segments and eager messages up to 8 MiB
+    silent peer), 64K tcp send segments and eager messages below 8 MiB
     within a host, each unless the caller's options or the environment set
     it; UCX takes them."""
     from ucxx._lib_async.application_context import effective_options
