@@ -161,11 +161,21 @@ async def _watch_ctrl(req, buf, state: _EndpointState, wref):
         # locally. Our pending receives fail with UCXCanceledError.
         logger.debug("Endpoint %#x: peer closed the connection", ep.uid)
         state.closing = True
+        ack = _C.tag_send(ep, _CLOSE_ACK_MSG, state.ctrl_send_tag)
         try:
-            await asyncio.wait_for(_await(_C.tag_send(ep, _CLOSE_ACK_MSG, state.ctrl_send_tag)), state.timeout)
+            # Usually sent at once (eager): then this task ends without
+            # another loop turn, so nothing of it outlives the close.
+            if not ack.done():
+                ep = None  # the wait must not keep the endpoint alive
+                await asyncio.wait_for(_await(ack), state.timeout)
+                ep = wref()
+            else:
+                ack.result()
         except (UCXError, asyncio.TimeoutError) as e:
-            logger.debug("Endpoint %#x: close ack not sent: %r", ep.uid, e)
-        _C._close_by_peer(ep)
+            logger.debug("close ack not sent: %r", e)
+            ep = wref()
+        if ep is not None:
+            _C._close_by_peer(ep)
     # CTRL_CLOSE_ACK, or the peer's CTRL_CLOSE while we are closing too: the
     # closing side (Endpoint._close) finishes the job.
     return kind
@@ -374,10 +384,15 @@ class Endpoint(_ucxx.Endpoint):
         already_closing = state.closing
         state.closing = True
         try:
-            if already_closing or _c_closed(self) or not self.alive:
-                return
             timeout = state.timeout
             ctrl = state.ctrl_task
+            if already_closing or _c_closed(self) or not self.alive:
+                # The peer closed first (or the endpoint failed): the watcher
+                # may still be sending its ack. Close returns once it ended,
+                # so that no task of this endpoint outlives the close.
+                if ctrl is not None and not ctrl.done() and ctrl.get_loop() is loop:
+                    await asyncio.wait_for(asyncio.shield(ctrl), timeout)
+                return
             if ctrl is not None and not ctrl.done():
                 # Tell the peer, wait until it has seen it (its ack, its own
                 # close message, or the connection going away), then close.
