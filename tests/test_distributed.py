@@ -5,9 +5,7 @@ distributed-ucxx is installed: tests/compat/test_dask_schemes.py).
 The generic comm checks below follow the ones of distributed's own test-suite
 (``distributed/comm/tests/test_comms.py`` and ``check_rpc`` of
 ``distributed/tests/test_core.py``). distributed's wheels do not ship its
-tests, so they are written out here against the public comm API; when the
-installed distributed does ship them, ``test_upstream_checks`` runs the
-originals as well.
+tests, so they are written out here against the public comm API.
 """
 
 from __future__ import annotations
@@ -606,29 +604,6 @@ async def test_rpc():
     await check_rpc(ADDR)
     await check_rpc(f"{SCHEME}://:0", None)
     await _no_ucxx_tasks()
-
-
-@T(120)
-@pytest.mark.asyncio
-async def test_upstream_checks():
-    """distributed's own check functions, when the installed distributed
-    ships its tests."""
-    try:
-        from distributed.comm.tests import test_comms as upstream
-    except Exception as e:
-        pytest.skip(f"distributed's test-suite is not importable: {e!r}")
-    await upstream.check_client_server(ADDR, upstream.tcp_eq("127.0.0.1"))
-    await upstream.check_comm_closed_implicit(ADDR)
-    await upstream.check_comm_closed_explicit(ADDR)
-    await upstream.check_connect_timeout(f"{SCHEME}://127.0.0.1:44444")
-    await upstream.check_many_listeners(ADDR)
-    await upstream.check_deserialize(f"{SCHEME}://")
-    await upstream.check_deserialize_roundtrip(ADDR)
-    try:
-        from distributed.tests.test_core import check_rpc as upstream_check_rpc
-    except Exception:
-        return
-    await upstream_check_rpc(ADDR)
 
 
 # --------------------------------------------------------------------------

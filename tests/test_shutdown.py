@@ -347,6 +347,7 @@ def test_worker_moves_to_a_new_loop_after_the_first_closed():
 RESET_CYCLES = 100
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.leak_check
 @pytest.mark.no_ctx
@@ -610,6 +611,7 @@ print("OK", flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_reset_then_loop_closed_by_hand_prints_nothing(loop):
