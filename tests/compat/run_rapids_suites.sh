@@ -15,11 +15,9 @@
 # env: SUITES="async dask" (default both), PYTEST_ARGS (extra arguments),
 #      UCX_TLS (default tcp: CPU-only), OUT (directory for logs/junit).
 #
-# The tests import two pure helper modules as ucxx._lib_async.utils_test and
-# ucxx._lib_async.pytest_stash_keys; they are test fixtures of RAPIDS' tree,
-# not part of an installed package's API, so they are loaded from RAPIDS_SRC
-# for the run (a sitecustomize on PYTHONPATH installs an import hook; spawned
-# subprocesses inherit it). Everything else comes from the venv's packages.
+# The helpers the async tests import from ucxx._lib_async (utils_test,
+# pytest_stash_keys) are this package's own: nothing of RAPIDS_SRC but the
+# test directories is used.
 set -uo pipefail
 
 src=${1:?usage: $0 RAPIDS_SRC [OURS_VENV] [BASE_VENV]}
@@ -36,36 +34,14 @@ done
 
 work=$(mktemp -d /tmp/ucxx-rapids-suites.XXXXXX)
 out=${OUT:-$work/out}
-mkdir -p "$out" "$work/hook"
-trap 'rm -rf "$work/hook" "$work/async" "$work/dask"' EXIT
+mkdir -p "$out"
+trap 'rm -rf "$work/async" "$work/dask"' EXIT
 
 # Copies outside any checkout (pytest must not find a project's conftest,
 # pyproject or ucxx package above them).
 cp -r "$async_src/tests" "$work/async"
 cp -r "$dask_src/tests" "$work/dask"
 rm -rf "$work/async/__pycache__" "$work/dask/__pycache__"
-
-export RAPIDS_TEST_HELPERS=$async_src
-cat > "$work/hook/sitecustomize.py" <<'PY'
-import importlib.abc, importlib.util, os, sys
-
-_DIR = os.environ["RAPIDS_TEST_HELPERS"]
-_NAMES = {
-    "ucxx._lib_async.utils_test": "utils_test.py",
-    "ucxx._lib_async.pytest_stash_keys": "pytest_stash_keys.py",
-}
-
-
-class _RapidsTestHelpers(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name in _NAMES:
-            return importlib.util.spec_from_file_location(
-                name, os.path.join(_DIR, _NAMES[name]))
-        return None
-
-
-sys.meta_path.insert(0, _RapidsTestHelpers())
-PY
 
 # RAPIDS' own pytest settings (python/*/pyproject.toml): asyncio_mode=auto
 # for the async suite, its markers for distributed-ucxx.
@@ -79,7 +55,7 @@ run_one() {  # name venv suite
     log=$out/$name-$suite.log
     (
         cd "$work" &&
-        PYTHONPATH=$work/hook timeout 5400 "$venv/bin/python" -m pytest \
+        timeout 5400 "$venv/bin/python" -m pytest \
             --import-mode=append --rootdir="$dir" -q -rfE --timeout=300 \
             --junitxml="$out/$name-$suite.xml" "${opts[@]}" \
             ${PYTEST_ARGS:-} "$dir"
