@@ -8,7 +8,7 @@ method, and the server receives them with the same method; then
 ``--pattern ack``   the server answers with a 1-byte ack: time = the
                     batch one way plus the ack (a round trip);
 ``--pattern echo``  the server sends the batch back with the same method:
-                    time = half the round trip (the suite's pattern).
+                    time = half the round trip (the ping-pong's pattern).
 
 Methods:
 
@@ -65,23 +65,8 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:
-    sys.path.insert(0, str(HERE))
-
-from pingpong_py import (  # noqa: E402
-    CONNECT_TIMEOUT_S,
-    NET_DEVICES,
-    PyBenchError,
-    _die_with_parent,
-    _parse_cpus,
-    _pin,
-    _read_port,
-    server_cmd,
-    server_process,
-    wait_server,
-)
-from ref.run_ref import parse_size, ucx_env  # noqa: E402
+import core
+from core import BenchError, parse_size, ucx_env
 
 METHODS = ("gather", "sequential", "asyncio", "single")
 # ucx_perftest runs per round: name -> (data layout, wait mode, this
@@ -162,7 +147,7 @@ async def _setup(args, role: str, port: int | None):
         got = loop.create_future()
         listener = w.listen(lambda ep: got.done() or got.set_result(ep), 0, "127.0.0.1")
         print(f"PORT {listener.port}", flush=True)
-        ep = await asyncio.wait_for(got, CONNECT_TIMEOUT_S)
+        ep = await asyncio.wait_for(got, core.CONNECT_TIMEOUT_S)
     else:
         ep = w.ep_from_sockaddr("127.0.0.1", port)
     ep.send_tag = ep.recv_tag = TAG
@@ -254,7 +239,7 @@ async def _client(args, port: int) -> dict:
                           (ru1.ru_stime - ru0.ru_stime) * 1e9 / args.iters))
         if args.check and echo and (any(b != f for b, f in zip(bufs, frames))
                                     if m != "single" else big_in[s] != big_out[s]):
-            raise PyBenchError(f"{m} {s}: echoed frames differ")
+            raise BenchError(f"{m} {s}: echoed frames differ")
         med = statistics.median(samples) / scale
         mean = dt / args.iters / scale
         times[s][m].append(med)
@@ -349,14 +334,14 @@ def run_perftest(size_arg: str, layout: str, iters: int, warmup: int, cpus,
         from ucxx._lib_async.application_context import effective_options
 
         env.update({f"UCX_{k}": v for k, v in effective_options().items()})
-    server_cpu, client_cpu = _parse_cpus(cpus)
+    server_cpu, client_cpu = core.parse_cpus(cpus)
     common = ["-t", "tag_bw", "-s", size_arg, "-n", str(iters), "-w", str(warmup),
               "-D", f"{layout},{layout}", "-E", wait, "-p", str(port), "-f"]
     scmd = [str(binary), *common] + (["-c", str(server_cpu)] if server_cpu is not None else [])
     ccmd = [str(binary), "127.0.0.1", *common] + (
         ["-c", str(client_cpu)] if client_cpu is not None else [])
     server = subprocess.Popen(scmd, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                              stderr=subprocess.DEVNULL, preexec_fn=core.die_with_parent)
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -371,14 +356,14 @@ def run_perftest(size_arg: str, layout: str, iters: int, warmup: int, cpus,
             server.kill()
             server.wait()
     if proc.returncode != 0:
-        raise PyBenchError(f"ucx_perftest failed: {proc.stderr.strip()[-300:]}")
+        raise BenchError(f"ucx_perftest failed: {proc.stderr.strip()[-300:]}")
     # -f prints one row: iterations, latency typical / average / overall,
     # bandwidth average / overall (MB/s, 2**20 bytes), message rate average
     # / overall.
     rows = [ln.split() for ln in proc.stdout.splitlines()
             if len(ln.split()) == 8 and ln.split()[0].isdigit()]
     if not rows:
-        raise PyBenchError(f"ucx_perftest: no result row in {proc.stdout[-300:]!r}")
+        raise BenchError(f"ucx_perftest: no result row in {proc.stdout[-300:]!r}")
     return float(rows[-1][5]) * 1024 * 1024
 
 
@@ -472,7 +457,7 @@ def _main(argv=None) -> int:
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--tls", default="tcp", help="UCX_TLS or 'shm' (default tcp)")
     p.add_argument("--cpus", default=None, help="pin: CPU or SERVER_CPU,CLIENT_CPU")
-    p.add_argument("--net-devices", default=NET_DEVICES,
+    p.add_argument("--net-devices", default=core.NET_DEVICES,
                    help="UCX_NET_DEVICES (default lo; '' leaves the environment alone)")
     p.add_argument("--perftest", action="store_true",
                    help="also run ucx_perftest -t tag_bw for the batch total (contig and iov)")
@@ -499,23 +484,23 @@ def _main(argv=None) -> int:
     os.environ.update(ucx_env(args.tls))
     if args.net_devices:
         os.environ["UCX_NET_DEVICES"] = args.net_devices
-    server_cpu, client_cpu = _parse_cpus(args.cpus)
+    server_cpu, client_cpu = core.parse_cpus(args.cpus)
 
     if args.role == "server":
-        _die_with_parent()
-        _pin(server_cpu)
+        core.die_with_parent()
+        core.pin(server_cpu)
         return asyncio.run(_server(args))
 
     raw = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]
     results = []
     for mode in modes:
         args.mode = mode
-        cmd = server_cmd(__file__, raw + ["--mode", mode])
-        with server_process(cmd) as server:
-            _pin(client_cpu)
-            port = _read_port(server)
+        cmd = core.server_cmd(__file__, raw + ["--mode", mode])
+        with core.server_process(cmd) as server:
+            core.pin(client_cpu)
+            port = core.read_port(server)
             res = asyncio.run(_client(args, port))
-            wait_server(server)
+            core.wait_server(server)
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
         times = res.pop("_times")
         if args.perftest:
@@ -534,6 +519,6 @@ def _main(argv=None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(_main())
-    except (PyBenchError, ValueError) as exc:
+    except (BenchError, ValueError) as exc:
         print(f"gather_bench: {exc}", file=sys.stderr)
         sys.exit(1)

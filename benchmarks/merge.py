@@ -20,6 +20,7 @@ are already up (one per address, the protocol from its scheme) instead of
 starting local ones; ``benchmarks/merge_hosts.py`` uses it for clusters
 whose workers are on separate hosts. ``--json FILE`` writes the summary of
 each protocol (throughputs, durations, pair bandwidths) to FILE.
+``--breakdown`` splits every large transfer into its parts (see below).
 """
 
 from __future__ import annotations
@@ -302,6 +303,340 @@ def print_comparison(args, summaries):
 
 
 # --------------------------------------------------------------------------
+# --breakdown: how much of a worker-to-worker transfer is transport
+# --------------------------------------------------------------------------
+# The pair bandwidth comes from Worker.transfer_incoming_log: bytes of one
+# get_data exchange over its duration D (connection or its reuse, request,
+# the sender's serialisation, the wire, the receiver's deserialisation, the
+# final "OK"). A transport changes only the wire part T: even one taking no
+# time gives at most D / (D - T). Probes on the workers (client.run) time
+# get_data_from_worker, the comm's read (length prefix / header arrived,
+# last frame in, from_frames) and to_frames; for every transfer of
+# --min-size or more the parts' medians are printed, with the pair
+# bandwidth a transport taking no time (or one memcpy) would give, for three
+# readings of T.
+
+
+MIN_RECORD = 1 << 16  # to_frames calls smaller than this are not recorded
+
+
+def install_probe(dask_worker=None):
+    """Wrap get_data_from_worker, TCP.read / UCXX.read, the comms' to_frames
+    and from_frames, and the reads' prefix/header and frame reads. State is
+    kept on the ``distributed.comm`` module (``_bound_probe``). Idempotent."""
+    import contextvars
+    from time import time
+
+    import distributed.comm as dcomm
+    import distributed.comm.tcp as dtcp
+    import distributed.worker as dworker
+    from distributed.utils import nbytes
+
+    import ucxx.distributed as dux
+
+    if getattr(dcomm, "_bound_probe", None) is not None:
+        dcomm._bound_probe["recv"].clear()
+        dcomm._bound_probe["send"].clear()
+        return True
+    state = {
+        "recv": [],
+        "send": [],
+        "gather": contextvars.ContextVar("gather", default=None),
+        "read": contextvars.ContextVar("read", default=None),
+    }
+    gather_cv, read_cv = state["gather"], state["read"]
+
+    orig_gdfw = dworker.get_data_from_worker
+
+    async def get_data_from_worker(*args, **kwargs):
+        rec = {"r0": time(), "reads": [], "worker": kwargs.get("worker")}
+        token = gather_cv.set(rec)
+        try:
+            resp = await orig_gdfw(*args, **kwargs)
+        finally:
+            rec["r1"] = time()
+            gather_cv.reset(token)
+        if isinstance(resp, dict) and resp.get("status") == "OK":
+            rec["keys"] = list(resp["data"])
+            state["recv"].append(rec)
+        return resp
+
+    def wrap_read(orig):
+        async def read(self, deserializers=None):
+            sub = {"read0": time(), "first": None, "last": None, "frames": 0}
+            rec = gather_cv.get()
+            if rec is not None:
+                rec["reads"].append(sub)
+            token = read_cv.set(sub)
+            try:
+                return await orig(self, deserializers)
+            finally:
+                read_cv.reset(token)
+
+        return read
+
+    orig_rbrw = dtcp.read_bytes_rw
+
+    async def read_bytes_rw(stream, n):
+        sub = read_cv.get()
+        if sub is not None and sub["first"] is None:
+            sub["first"] = time()  # the 8-byte length prefix is in
+        buf = await orig_rbrw(stream, n)
+        if sub is not None:
+            sub["last"] = time()
+        return buf
+
+    orig_recv = dux._recv
+
+    async def _recv(ep, bufs, gather):
+        await orig_recv(ep, bufs, gather)
+        sub = read_cv.get()
+        if sub is not None:
+            if not gather and len(bufs[0]) == dux.HEADER_SIZE:
+                sub["first"] = time()  # the 128-byte header is in
+            elif gather:
+                sub["last"] = time()
+
+    def wrap_from_frames(orig):
+        async def from_frames(frames, *args, **kwargs):
+            sub = read_cv.get()
+            t0 = time()
+            msg = await orig(frames, *args, **kwargs)
+            if sub is not None:
+                sub.update(
+                    deser0=t0, deser1=time(), frames=sum(nbytes(f) for f in frames)
+                )
+            return msg
+
+        return from_frames
+
+    def wrap_to_frames(orig):
+        async def to_frames(msg, *args, **kwargs):
+            t0 = time()
+            frames = await orig(msg, *args, **kwargs)
+            total = sum(nbytes(f) for f in frames)
+            if total >= MIN_RECORD:
+                state["send"].append({"s0": t0, "s1": time(), "frames": total})
+            return frames
+
+        return to_frames
+
+    dworker.get_data_from_worker = get_data_from_worker
+    dtcp.TCP.read = wrap_read(dtcp.TCP.read)
+    dtcp.read_bytes_rw = read_bytes_rw
+    dtcp.from_frames = wrap_from_frames(dtcp.from_frames)
+    dtcp.to_frames = wrap_to_frames(dtcp.to_frames)
+    dux.UCXX.read = wrap_read(dux.UCXX.read)
+    dux._recv = _recv
+    dux.from_frames = wrap_from_frames(dux.from_frames)
+    dux.to_frames = wrap_to_frames(dux.to_frames)
+    dcomm._bound_probe = state
+    return True
+
+
+def collect_probe(dask_worker):
+    """This worker's received transfers (joined with its transfer log by
+    keys) and its large to_frames calls."""
+    import distributed.comm as dcomm
+
+    state = dcomm._bound_probe
+    log = {
+        tuple(sorted(map(str, e["keys"]))): e for e in dask_worker.transfer_incoming_log
+    }
+    recv = []
+    for rec in state["recv"]:
+        entry = log.get(tuple(sorted(map(str, rec["keys"]))))
+        reads = [r for r in rec["reads"] if r.get("deser1") is not None]
+        if entry is None or not reads:
+            continue
+        big = max(reads, key=lambda r: r["frames"])
+        recv.append(
+            {
+                "r0": rec["r0"],
+                "r1": rec["r1"],
+                "who": rec["worker"],
+                "total": entry["total"],
+                "duration": entry["duration"],
+                "read0": big["read0"],
+                "first": big["first"],
+                "last": big["last"],
+                "deser0": big["deser0"],
+                "deser1": big["deser1"],
+                "frames": big["frames"],
+            }
+        )
+    return {"recv": recv, "send": list(state["send"])}
+
+
+def breakdown(collected, windows, min_size):
+    """Per large transfer: D and its parts, in seconds."""
+    sends = {w: c["send"] for w, c in collected.items()}
+    rows = []
+    for c in collected.values():
+        for r in c["recv"]:
+            if r["total"] < min_size or not any(
+                w0 - 0.05 <= r["r0"] <= w1 for w0, w1 in windows
+            ):
+                continue
+            # the sender's to_frames of this message: same frame bytes, done
+            # between the request and the arrival of the last frame
+            cands = [
+                s
+                for s in sends.get(r["who"], [])
+                if s["frames"] == r["frames"] and r["r0"] <= s["s1"] <= r["last"]
+            ]
+            if not cands:
+                continue
+            s = max(cands, key=lambda s: s["s1"])
+            D = r["r1"] - r["r0"]
+            rows.append(
+                {
+                    "total": r["total"],
+                    "frames": r["frames"],
+                    "D": D,
+                    "strict": r["last"] - r["first"],
+                    "wire": r["last"] - s["s1"],
+                    "ser": s["s1"] - s["s0"],
+                    "deser": r["deser1"] - r["deser0"],
+                    "post": r["r1"] - r["deser1"],
+                    "pre": s["s0"] - r["r0"],
+                    "gap": r["deser0"] - r["last"],
+                }
+            )
+    return rows
+
+
+def ms(x):
+    return f"{x * 1e3:8.2f} ms"
+
+
+def print_breakdown(proto, rows):
+    print(
+        f"{proto}: {len(rows)} transfers, median size {format_bytes(np.median([r['total'] for r in rows]))} "
+        f"({format_bytes(min(r['total'] for r in rows))} - {format_bytes(max(r['total'] for r in rows))}), "
+        f"median frames {format_bytes(np.median([r['frames'] for r in rows]))}"
+    )
+    med = {k: float(np.median([r[k] for r in rows])) for k in rows[0]}
+    q = {k: np.quantile([r[k] for r in rows], [0.25, 0.75]) for k in rows[0]}
+    for key, label in [
+        ("D", "D (get_data exchange)"),
+        ("pre", "request -> serialise"),
+        ("ser", "serialise (sender)"),
+        ("wire", "ready -> last frame"),
+        ("strict", "prefix -> last frame"),
+        ("gap", "last frame -> deser."),
+        ("deser", "deserialise"),
+        ("post", "deser. -> end (OK)"),
+    ]:
+        print(
+            f"  {label:<24} median {ms(med[key])}   (25%-75%: {ms(q[key][0])} - {ms(q[key][1])})"
+        )
+    bw = np.median([r["total"] / r["D"] for r in rows])
+    print(f"  pair bandwidth           median {format_bytes(bw)}/s")
+    return med
+
+
+def transport_parts(rows):
+    """T per transfer for the three readings of "transport"."""
+    D = np.array([r["D"] for r in rows])
+    return {
+        "prefix->last": np.array([r["strict"] for r in rows]),
+        "ready->last": np.array([r["wire"] for r in rows]),
+        "all but (de)ser.": D
+        - np.array([r["ser"] + r["deser"] + r["post"] for r in rows]),
+    }
+
+
+def bw_ratio(rows, T, t_new):
+    """Median pair bandwidth the transfers would have had had their
+    transport part T taken ``t_new`` seconds, over the one they had."""
+    D = np.array([r["D"] for r in rows])
+    nb = np.array([r["total"] for r in rows])
+    return float(np.median(nb / np.maximum(D - T + t_new, 1e-6)) / np.median(nb / D))
+
+
+def bound_lines(rows, copy_s=0.0, target=2.0):
+    """Per reading of T: D / (D - T + copy_s) at the medians of D and T; the
+    median-bandwidth ratio for a transport taking ``copy_s`` instead of T;
+    and the transport time per transfer that would give ``target`` times the
+    median bandwidth (None: not even a transport taking no time would)."""
+    out = {}
+    D = np.array([r["D"] for r in rows])
+    for name, T in transport_parts(rows).items():
+        mD, mT = np.median(D), np.median(T)
+        need = None
+        if bw_ratio(rows, T, 0.0) >= target:
+            lo, hi = 0.0, float(D.max())
+            for _ in range(50):
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if bw_ratio(rows, T, mid) >= target else (lo, mid)
+            need = lo
+        out[name] = (mD / (mD - mT + copy_s), bw_ratio(rows, T, copy_s), need)
+    return out
+
+
+def copy_time(nbytes, rounds=30):
+    """Median time of one memcpy of ``nbytes`` into a warm buffer (this
+    process, after the clusters are gone)."""
+    src = np.ones(nbytes, dtype="uint8")
+    dst = np.empty_like(src)
+    ts = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+
+
+def report_breakdown(args, rows):
+    """Print the breakdown and the bounds; return the median frame bytes."""
+    print(
+        f"\nMerge, --chunk-size {args.chunk_size}, {args.runs} timed runs, "
+        f"transfers >= {format_bytes(args.min_size)} (medians, seconds of the host clock)"
+    )
+    print("-" * 80)
+    nbytes = int(
+        np.median([x["frames"] for r in rows.values() for x in r] or [13 << 20])
+    )
+    copy_s = copy_time(nbytes)
+    meds = {}
+    for proto, r in rows.items():
+        if not r:
+            print(f"{proto}: no transfer recorded")
+            continue
+        meds[proto] = print_breakdown(proto, r)
+        print(
+            f"  if the transport took 0 / one memcpy ({ms(copy_s).strip()} for {format_bytes(nbytes)}) "
+            f"instead of T, the median pair bandwidth would be (D/(D-T) at the medians in brackets):"
+        )
+        zero, one = bound_lines(r), bound_lines(r, copy_s)
+        for name in zero:
+            need = zero[name][2]
+            if need is None:
+                need = "not reachable"
+            else:
+                need = (
+                    f"{need * 1e3:.2f} ms ({format_bytes(nbytes / max(need, 1e-9))}/s)"
+                )
+            print(
+                f"    T = {name:<17} {zero[name][1]:4.2f}x / {one[name][1]:4.2f}x "
+                f"({zero[name][0]:4.2f}x / {one[name][0]:4.2f}x); 2x needs T <= {need}"
+            )
+    if "tcp" in meds and "ucxx" in meds:
+        t, u = meds["tcp"], meds["ucxx"]
+        print("-" * 80)
+        print(
+            f"ucxx/tcp: D {u['D'] / t['D']:.2f}x, prefix->last {u['strict'] / t['strict']:.2f}x, "
+            f"ready->last {u['wire'] / t['wire']:.2f}x"
+        )
+    return nbytes
+
+
+
+
+# --------------------------------------------------------------------------
 # Main
 # --------------------------------------------------------------------------
 
@@ -338,10 +673,14 @@ def parse_args(argv=None):
         "use them instead of local clusters; --n-workers workers are waited for",
     )
     p.add_argument("--json", default=None, metavar="FILE", help="write the per-protocol summaries to FILE")
+    p.add_argument("--breakdown", action="store_true", help="probe the workers and split every "
+                   "large transfer into serialisation, transport and deserialisation (local clusters)")
+    p.add_argument("--min-size", default="1 MiB", help="smallest transfer in the breakdown (default 1 MiB)")
     args = p.parse_args(argv)
     from dask.utils import parse_bytes
 
     args.ignore_size = parse_bytes(args.ignore_size)
+    args.min_size = parse_bytes(args.min_size)
     args.protocols = [x.strip() for x in args.protocol.split(",") if x.strip()]
     args.addresses = {}
     if args.scheduler:
@@ -410,6 +749,9 @@ def main(argv=None):
             except Exception:
                 transports["ucxx"] = None
 
+        if args.breakdown:
+            for client in clusters.values():
+                client.run(install_probe)
         for _ in range(args.warmup_runs):
             for proto, client in clusters.items():
                 bench_once(client, args)
@@ -444,6 +786,9 @@ def main(argv=None):
             }
         if len(summaries) > 1:
             print_comparison(args, summaries)
+        if args.breakdown:
+            report_breakdown(args, {p: breakdown(c.run(collect_probe), windows[p], args.min_size)
+                                    for p, c in clusters.items()})
         if args.json:
             import json
 

@@ -1,1 +1,0 @@
-"""Reference C UCX ping-pong and its Python runner (see run_ref.py)."""
