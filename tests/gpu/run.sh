@@ -7,8 +7,8 @@
 #   3. run tests/gpu;
 #   4. profile: tests/gpu/probe.py for both packages, with UCX_PROTO_INFO=y
 #      and UCX_LOG_LEVEL=info, then for this package under variants
-#      (RAPIDS' UCX defaults, no stream in the interface, thread mode, no
-#      cuda_ipc);
+#      (UCX's own RNDV_THRESH, RAPIDS' UCX defaults, no stream in the
+#      interface, thread mode, no cuda_ipc);
 #   5. RAPIDS' benchmark command for both packages, interleaved (ab.py):
 #      1 B / 1 MiB / 64 MiB / 256 MiB x fresh / --reuse-alloc x blocking /
 #      thread, until the deadline.
@@ -20,7 +20,7 @@
 #   OUT=/tmp/x tests/gpu/run.sh --install-only   # step 1 (carry sets 1..N-1)
 #
 # Environment: UCXX_GPU_BUDGET_S (whole run, default 450), UCXX_GPU_PROFILE_S
-# (step 4's share, default 80), UCXX_GPU_ROUNDS (default 2),
+# (step 4's share, default 90), UCXX_GPU_ROUNDS (default 2),
 # UCXX_GPU_RUN_TIMEOUT (one benchmark run, default 45 s; a failed run is
 # retried once), UCXX_GPU_PYTHON (default python3), UCXX_GPU_SITE (default
 # /tmp/ucxx-gpu-site), UCXX_GPU_OBJECT (default cupy; numpy runs steps 4-5
@@ -37,7 +37,7 @@ PY=${UCXX_GPU_PYTHON:-python3}
 SITE=${UCXX_GPU_SITE:-/tmp/ucxx-gpu-site}
 OBJ=${UCXX_GPU_OBJECT:-cupy}
 BUDGET=${UCXX_GPU_BUDGET_S:-450}
-PROFILE_S=${UCXX_GPU_PROFILE_S:-80}
+PROFILE_S=${UCXX_GPU_PROFILE_S:-90}
 ROUNDS=${UCXX_GPU_ROUNDS:-2}
 QUICK=${UCXX_GPU_QUICK:-0}
 RUN_TIMEOUT=${UCXX_GPU_RUN_TIMEOUT:-45}
@@ -51,7 +51,7 @@ rc=0
 declare -A STEP_S
 step() { echo; echo "=== $* ($(($(date +%s) - T0)) s)"; }
 timed() { local name=$1 t=$(date +%s); shift; "$@"; local r=$?; STEP_S[$name]=$(($(date +%s) - t)); return $r; }
-OURS_EXTRA=()  # environment for this package's runs alone (see the build step)
+OURS_EXTRA=()  # environment for this package's runs alone (none at present)
 ours_env() { env -u PYTHONPATH PYTHONPATH="$SITE/ours:$REPO" "${OURS_EXTRA[@]}" "$@"; }
 rapids_env() { (cd "$RCWD" && env -u PYTHONPATH PYTHONPATH="$SITE/rapids" "$@"); }
 
@@ -138,19 +138,16 @@ build() {
     ours_env "$PY" setup.py -q build_ext --inplace -j "$(nproc)" 2>&1 \
         | grep -E "(error|warning):" | tail -20
     ours_env "$PY" -c 'import ucxx; print("ours:", ucxx.__file__, "UCX", ucxx.get_ucx_version())' || return 1
-    # This package passes TCP_USER_TIMEOUT to ucp_init, an option UCX has
-    # from 1.22 on; with the older UCX that RAPIDS' libucxx needs, naming it
-    # in the environment keeps it from being passed (UCX then only warns).
+    # The package leaves out its UCX defaults that the loaded UCX lacks
+    # (TCP_USER_TIMEOUT before UCX 1.22), so init needs nothing from the
+    # environment with RAPIDS' UCX 1.21. Its RNDV_THRESH default
+    # (intra:8m,inter:auto) applies to device buffers too: within a host,
+    # device messages below 8 MiB go eagerly (profile.txt has UCX's own
+    # threshold beside it; RAPIDS sets 8192).
     local init
-    init=$(ours_env "$PY" -c 'import ucxx; ucxx.init(); ucxx.reset(); print("init ok")' 2>&1)
-    if ! echo "$init" | grep -q "init ok"; then
-        if echo "$init" | grep -q "TCP_USER_TIMEOUT"; then
-            OURS_EXTRA=(UCX_TCP_USER_TIMEOUT=auto)
-            echo "ours: UCX $(ours_env "$PY" -c 'import ucxx; print(ucxx.get_ucx_version())') lacks TCP_USER_TIMEOUT: this package's runs get ${OURS_EXTRA[*]}"
-        else
-            echo "$init" | tail -5; return 1
-        fi
-    fi
+    init=$(ours_env "$PY" -c 'import ucxx; ucxx.init(); print("init ok, UCX_RNDV_THRESH in effect:", ucxx.get_config().get("RNDV_THRESH")); ucxx.reset()' 2>&1)
+    echo "$init" | grep -q "init ok" || { echo "$init" | tail -5; return 1; }
+    echo "ours: ${init##*init ok, }" | tee -a "$OUT/env.txt"
     local where
     where=$(rapids_env "$PY" -c 'import ucxx; print(ucxx.__file__, "UCX", ucxx.get_ucx_version())' 2>&1 | tail -1)
     echo "RAPIDS: $where"
@@ -209,6 +206,7 @@ profile() {
     local variants=(
         "defaults + UCX_PROTO_INFO, log info|ours|UCX_PROTO_INFO=y UCX_LOG_LEVEL=info"
         "defaults + UCX_PROTO_INFO, log info|rapids|UCX_PROTO_INFO=y UCX_LOG_LEVEL=info"
+        "UCX's own RNDV_THRESH (the package's sends device messages < 8 MiB eagerly)|ours|UCX_RNDV_THRESH=auto"
         "RAPIDS' UCX defaults|ours|UCX_MEMTYPE_CACHE=n UCX_RNDV_THRESH=8192 UCX_RNDV_FRAG_MEM_TYPE=cuda"
         "no stream in the interface (CAI v2)|ours|CUPY_CUDA_ARRAY_INTERFACE_EXPORT_VERSION=2"
         "thread mode|ours|MODE=thread"

@@ -24,7 +24,9 @@ except Exception as e:  # noqa: BLE001 - any CUDA failure means "no GPU here"
 
 pytestmark = [pytest.mark.gpu]
 
-SIZES = [1, 1000, 8191, 8193, 1 << 20, 64 << 20, 256 << 20]
+# Around RAPIDS' UCX_RNDV_THRESH (8192) and this package's default within a
+# host (intra:8m: device messages below 8 MiB go eagerly).
+SIZES = [1, 1000, 8191, 8193, 1 << 20, (8 << 20) - 1, (8 << 20) + 1, 64 << 20, 256 << 20]
 EARLY = 3 << 20
 
 
