@@ -303,8 +303,8 @@ ucxx_am_recv(EndpointObject *ep)
         return NULL;
     }
     r->posting = 0;
-    if (ep->am_queue != NULL && PyList_GET_SIZE(ep->am_queue) > 0) {
-        PyObject *obj = Py_NewRef(PyList_GET_ITEM(ep->am_queue, 0));
+    if (ep->am_queue != NULL && PyList_Size(ep->am_queue) > 0) {
+        PyObject *obj = Py_NewRef(PyList_GetItem(ep->am_queue, 0));
 
         if (PySequence_DelItem(ep->am_queue, 0) < 0) {
             Py_DECREF(obj);

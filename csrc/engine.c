@@ -362,13 +362,8 @@ ucxx_slice_yield(WorkerObject *w)
         Py_DECREF(fut);
         return NULL;
     }
-    {
-        PyObject *args[4] = {w->loop, st->zero, set, Py_None};
-
-        res = PyObject_VectorcallMethod(st->s_call_later, args,
-                                        4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                        NULL);
-    }
+    res = PyObject_CallMethodObjArgs(w->loop, st->s_call_later, st->zero, set,
+                                     Py_None, NULL);
     Py_DECREF(set);
     if (res == NULL || PyObject_SetAttr(fut, st->s_blocking, Py_True) < 0) {
         Py_XDECREF(res);

@@ -66,7 +66,7 @@ parse_mode(PyObject *mode_obj, int *mode)
         *mode = UCXX_MODE_BLOCKING;
         return 0;
     }
-    m = PyUnicode_Check(mode_obj) ? PyUnicode_AsUTF8(mode_obj) : NULL;
+    m = PyUnicode_Check(mode_obj) ? PyUnicode_AsUTF8AndSize(mode_obj, NULL) : NULL;
     if (m != NULL && strcmp(m, "blocking") == 0) {
         *mode = UCXX_MODE_BLOCKING;
     } else if (m != NULL && strcmp(m, "polling") == 0) {
@@ -161,7 +161,7 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (parse_mode(mode_obj, &mode) < 0) {
         return NULL;
     }
-    w = (WorkerObject *)type->tp_alloc(type, 0);
+    w = (WorkerObject *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
     if (w == NULL) {
         return NULL;
     }
@@ -251,6 +251,7 @@ forget_forked(WorkerObject *w)
     w->handle = NULL;
     w->efd = -1;
     Py_CLEAR(w->loop);
+    Py_CLEAR(w->future_kw);
     Py_CLEAR(w->task);
     Py_CLEAR(w->coro);
     Py_CLEAR(w->waiter);
@@ -891,7 +892,7 @@ Worker_get_handle(WorkerObject *w, void *closure)
 static PyObject *
 Worker_get_context(WorkerObject *w, void *closure)
 {
-    return Py_NewRef(w->context);
+    return Py_NewRef((PyObject *)w->context);
 }
 
 static const char *const mode_names[] = {"blocking", "polling", "thread",
@@ -968,9 +969,10 @@ Worker_get_npending(WorkerObject *w, void *closure)
 static int
 Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(w));
+    Py_VISIT(Py_TYPE((PyObject *)w));
     Py_VISIT(w->context);
     Py_VISIT(w->loop);
+    Py_VISIT(w->future_kw);
     Py_VISIT(w->task);
     Py_VISIT(w->coro);
     Py_VISIT(w->waiter);
@@ -986,6 +988,7 @@ Worker_clear(WorkerObject *w)
     Py_CLEAR(w->coro);
     Py_CLEAR(w->waiter);
     Py_CLEAR(w->loop);
+    Py_CLEAR(w->future_kw);
     Py_CLEAR(w->rearm_cb);
     Py_CLEAR(w->am_allocators);
     return 0;
@@ -1012,9 +1015,9 @@ Worker_finalize(WorkerObject *w)
 static void
 Worker_dealloc(WorkerObject *w)
 {
-    PyTypeObject *tp = Py_TYPE(w);
+    PyTypeObject *tp = Py_TYPE((PyObject *)w);
 
-    if (PyObject_CallFinalizerFromDealloc((PyObject *)w) < 0) {
+    if (ucxx_finalize_from_dealloc((PyObject *)w, &w->finalized) < 0) {
         return;
     }
     PyObject_GC_UnTrack(w);
@@ -1025,7 +1028,7 @@ Worker_dealloc(WorkerObject *w)
     Worker_clear(w);
     Py_CLEAR(w->context);
     pthread_mutex_destroy(&w->lock);
-    tp->tp_free(w);
+    ((freefunc)PyType_GetSlot(tp, Py_tp_free))(w);
     Py_DECREF(tp);
 }
 
