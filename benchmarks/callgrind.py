@@ -395,7 +395,7 @@ def _fn_name(name: str) -> str:
 
 def _short_object(obj: str) -> str:
     name = os.path.basename(obj)
-    name = re.sub(r"\.cpython-[^.]*\.so$", ".so", name)
+    name = re.sub(r"\.(cpython-[^.]*|abi3)\.so$", ".so", name)
     name = re.sub(r"\.so[.\d]*$", ".so", name)
     return name
 

@@ -77,7 +77,7 @@ EndpointObject *
 ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
                   int error_handling)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyTypeObject *tp = st->EndpointType;
     EndpointObject *ep;
     ucs_status_t status;
@@ -284,7 +284,7 @@ ucxx_endpoint_report_error(EndpointObject *ep)
 static int
 endpoint_check_send(EndpointObject *ep)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)ep);
+    ucxx_state *st = ep->worker->st;
 
     if (ucxx_worker_check(ep->worker) < 0) {
         return -1;

@@ -86,7 +86,7 @@ PyObject *
 ucxx_listener_create(WorkerObject *w, PyObject *cb, int port,
                      const char *host, int error_handling)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyTypeObject *tp = st->ListenerType;
     ucp_listener_params_t params = {0};
     ucp_listener_attr_t attr = {0};

@@ -11,7 +11,7 @@
 int
 ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyObject *res;
 
     w->wakeups++;
@@ -77,7 +77,7 @@ ucxx_worker_stop_thread(WorkerObject *w)
         return;
     }
     if (w->loop != NULL &&
-        !loop_is_closed(ucxx_state_of((PyObject *)w), w->loop)) {
+        !loop_is_closed(w->st, w->loop)) {
         res = PyObject_CallMethod(w->loop, "remove_reader", "i",
                                   w->notify_fd);
         Py_XDECREF(res);
@@ -116,7 +116,7 @@ end_progress_task(ucxx_state *st, PyObject *task, PyObject *waiter,
 void
 ucxx_worker_detach(WorkerObject *w)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyObject *loop = w->loop, *task = w->task, *waiter = w->waiter, *res;
     int closed;
 
@@ -150,7 +150,7 @@ ucxx_worker_detach(WorkerObject *w)
 int
 ucxx_worker_attach(WorkerObject *w, PyObject *loop)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyObject *res, *coro = NULL;
 
     if (w->loop == loop) {

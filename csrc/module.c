@@ -13,8 +13,8 @@ atfork_child(void)
     ucxx_fork_generation++;
 }
 
-ucxx_state *
-ucxx_state_from_type(PyTypeObject *tp)
+PyObject *
+ucxx_module_from_type(PyTypeObject *tp)
 {
     /* A Python subclass of one of our types (the public ucxx.Endpoint)
      * has no module of its own: its C base has, the one heap type in the
@@ -23,11 +23,22 @@ ucxx_state_from_type(PyTypeObject *tp)
      * PyType_GetModule, which raises on the subclass. */
     PyTypeObject *base;
 
-    while ((base = (PyTypeObject *)PyType_GetSlot(tp, Py_tp_base)) != NULL &&
-           (PyType_GetFlags(base) & Py_TPFLAGS_HEAPTYPE)) {
-        tp = base;
+    if (PyType_GetFlags(tp) & Py_TPFLAGS_BASETYPE) {
+        while ((base = (PyTypeObject *)PyType_GetSlot(tp, Py_tp_base)) !=
+                   NULL &&
+               (PyType_GetFlags(base) & Py_TPFLAGS_HEAPTYPE)) {
+            tp = base;
+        }
     }
-    return (ucxx_state *)PyType_GetModuleState(tp);
+    return PyType_GetModule(tp);
+}
+
+ucxx_state *
+ucxx_state_from_type(PyTypeObject *tp)
+{
+    PyObject *mod = ucxx_module_from_type(tp);
+
+    return mod != NULL ? (ucxx_state *)PyModule_GetState(mod) : NULL;
 }
 
 /* PyObject_CallFinalizerFromDealloc, which the limited API lacks: run the

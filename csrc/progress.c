@@ -23,7 +23,7 @@ typedef struct {
 PyObject *
 ucxx_progress_new(WorkerObject *w, PyObject *loop)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     ProgressObject *p = PyObject_GC_New(ProgressObject, st->ProgressType);
 
     if (p == NULL) {

@@ -11,7 +11,7 @@ RequestObject *
 ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
                  Py_ssize_t nops)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     RequestObject *r;
 
     r = st->req_free;
@@ -397,7 +397,7 @@ ucxx_request_with_buffer(WorkerObject *w, EndpointObject *ep, int kind,
     if (r == NULL) {
         return NULL;
     }
-    if (ucxx_buf_get(ucxx_state_of((PyObject *)w), buf, writable,
+    if (ucxx_buf_get(w->st, buf, writable,
                      &r->buf1) < 0) {
         Py_DECREF(r);
         return NULL;

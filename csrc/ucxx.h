@@ -286,6 +286,10 @@ struct WorkerObject {
     PyObject_HEAD
     ucp_worker_h handle;         /* native, NULL once closed */
     ContextObject *context;      /* strong */
+    PyObject *module;            /* strong, to the end of dealloc: keeps st */
+    ucxx_state *st;              /* borrowed from module: its state, found
+                                    once (the limited API's lookup walks
+                                    the subclass chain) */
     int efd;                     /* owned by UCX; -1 without WAKEUP */
     int mode;                    /* UCXX_MODE_* */
     int armed;                   /* ucp_worker_arm succeeded, no UCX call since */
@@ -507,6 +511,7 @@ typedef struct {
 extern volatile unsigned long ucxx_fork_generation;
 ucxx_state *ucxx_state_of(PyObject *obj);
 ucxx_state *ucxx_state_from_type(PyTypeObject *tp);
+PyObject *ucxx_module_from_type(PyTypeObject *tp);
 int ucxx_finalize_from_dealloc(PyObject *self, int *finalized);
 PyObject *ucxx_throw(PyObject *const *args, Py_ssize_t nargs);
 extern PyModuleDef ucxx_module_def;

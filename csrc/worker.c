@@ -15,7 +15,7 @@ int
 ucxx_worker_check(WorkerObject *w)
 {
     if (w->handle == NULL) {
-        ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+        ucxx_raise(w->st, UCXX_EXC_CLOSE,
                    "Worker is closed");
         return -1;
     }
@@ -43,7 +43,7 @@ int
 ucxx_check_family(WorkerObject *w, int family, const char *host)
 {
     if ((family == AF_INET6) != (w->context->ipv6 != 0)) {
-        ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CONFIG,
+        ucxx_raise(w->st, UCXX_EXC_CONFIG,
                    "address '%s' is IPv%c but UCX's tcp transport is set up "
                    "for IPv%c: set UCX_TCP_AF_PRIO=%s (or the option "
                    "TCP_AF_PRIO) to use it", host,
@@ -165,6 +165,8 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (w == NULL) {
         return NULL;
     }
+    w->module = Py_NewRef(ucxx_module_from_type(type));
+    w->st = st;
     w->efd = -1;
     w->wake_fd = w->notify_fd = -1;
     w->mode = mode;
@@ -449,7 +451,7 @@ Worker_arm(WorkerObject *w, PyObject *unused)
         Py_RETURN_FALSE;
     }
     if (status != UCS_OK) {
-        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+        return ucxx_raise_status(w->st, status,
                                  "ucp_worker_arm");
     }
     Py_RETURN_TRUE;
@@ -464,12 +466,12 @@ Worker_signal(WorkerObject *w, PyObject *unused)
     ucs_status_t status;
 
     if (w->handle == NULL) {
-        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+        return ucxx_raise(w->st, UCXX_EXC_CLOSE,
                           "Worker is closed");
     }
     status = ucp_worker_signal(w->handle);
     if (status != UCS_OK) {
-        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+        return ucxx_raise_status(w->st, status,
                                  "ucp_worker_signal");
     }
     Py_RETURN_NONE;
@@ -511,7 +513,7 @@ static PyObject *
 Worker_start(WorkerObject *w, PyObject *loop)
 {
     if (w->handle == NULL) {
-        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+        return ucxx_raise(w->st, UCXX_EXC_CLOSE,
                           "Worker is closed");
     }
     if (ucxx_worker_attach(w, loop) < 0) {
@@ -670,7 +672,7 @@ Worker_ep_from_address(WorkerObject *w, PyObject *args, PyObject *kw)
         return NULL;
     }
     if (ucxx_worker_check(w) < 0 ||
-        ucxx_address_check(ucxx_state_of((PyObject *)w), addr.buf,
+        ucxx_address_check(w->st, addr.buf,
                            addr.len) < 0) {
         PyBuffer_Release(&addr);
         return NULL;
@@ -867,7 +869,7 @@ Worker_get_address(WorkerObject *w, void *closure)
     status = ucp_worker_get_address(w->handle, &addr, &len);
     ucxx_unlock(w);
     if (status != UCS_OK) {
-        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+        return ucxx_raise_status(w->st, status,
                                  "ucp_worker_get_address");
     }
     b = PyBytes_FromStringAndSize((const char *)addr, (Py_ssize_t)len);
@@ -971,6 +973,7 @@ Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
 {
     Py_VISIT(Py_TYPE((PyObject *)w));
     Py_VISIT(w->context);
+    Py_VISIT(w->module);
     Py_VISIT(w->loop);
     Py_VISIT(w->future_kw);
     Py_VISIT(w->task);
@@ -1016,6 +1019,7 @@ static void
 Worker_dealloc(WorkerObject *w)
 {
     PyTypeObject *tp = Py_TYPE((PyObject *)w);
+    PyObject *module;
 
     if (ucxx_finalize_from_dealloc((PyObject *)w, &w->finalized) < 0) {
         return;
@@ -1028,8 +1032,10 @@ Worker_dealloc(WorkerObject *w)
     Worker_clear(w);
     Py_CLEAR(w->context);
     pthread_mutex_destroy(&w->lock);
+    module = w->module;
     ((freefunc)PyType_GetSlot(tp, Py_tp_free))(w);
     Py_DECREF(tp);
+    Py_XDECREF(module);
 }
 
 static PyObject *
