@@ -70,6 +70,11 @@ class BuildExt(build_ext):
     pkg-config) is found through the rpath to its lib directory."""
 
     def build_extensions(self):
+        # A version-specific build left in the tree by an older checkout
+        # (_ucxx.cpython-311-*.so) would be imported before _ucxx.abi3.so.
+        here = os.path.dirname(os.path.abspath(__file__))
+        for stale in glob.glob(os.path.join(here, "ucxx", "_ucxx.cpython-*.so")):
+            os.remove(stale)
         if ucx_from_wheel:
             self.compiler.linker_so = [
                 a for a in self.compiler.linker_so if not a.startswith("-Wl,-rpath")
