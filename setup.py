@@ -4,6 +4,11 @@ UCX is found, in order, from ``UCX_HOME``, ``pkg-config ucx`` or the
 ``libucx`` package of the ``libucx-cu12`` wheel (a build requirement).
 ``UCXX_SANITIZE=1`` builds with ASan + UBSan (debug, no optimisation);
 ``UCXX_WERROR=1`` (or ``CI=true``) turns warnings into errors.
+
+The extension is always built against the limited API of Python 3.11
+(``Py_LIMITED_API``): one ``cp311-abi3`` wheel serves 3.11 and later, and
+the editable build tests what ships (docs/DECISIONS.md). CC and LDSHARED
+from the environment pick the compiler (.ci/wheel: zig cc for glibc 2.28).
 """
 
 import glob
@@ -65,6 +70,11 @@ class BuildExt(build_ext):
     pkg-config) is found through the rpath to its lib directory."""
 
     def build_extensions(self):
+        # A version-specific build left in the tree by an older checkout
+        # (_ucxx.cpython-311-*.so) would be imported before _ucxx.abi3.so.
+        here = os.path.dirname(os.path.abspath(__file__))
+        for stale in glob.glob(os.path.join(here, "ucxx", "_ucxx.cpython-*.so")):
+            os.remove(stale)
         if ucx_from_wheel:
             self.compiler.linker_so = [
                 a for a in self.compiler.linker_so if not a.startswith("-Wl,-rpath")
@@ -82,6 +92,9 @@ ext = Extension(
     libraries=["ucp", "ucs", "dl"],
     extra_compile_args=extra_compile_args,
     extra_link_args=extra_link_args,
+    define_macros=[("Py_LIMITED_API", "0x030B0000")],
+    py_limited_api=True,
 )
 
-setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt})
+setup(ext_modules=[ext], cmdclass={"build_ext": BuildExt},
+      options={"bdist_wheel": {"py_limited_api": "cp311"}})

@@ -58,7 +58,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import struct
 import subprocess
@@ -68,7 +67,7 @@ import time
 from pathlib import Path
 
 import core
-from core import BenchError, CoreAPI, fmt_t, fmt_us, parse_size, size_label, tls_label, ucx_env
+from core import BenchError, CoreAPI, fmt_t, fmt_us, parse_size, size_label, tls_label
 
 DOCS = core.DOCS
 
@@ -311,13 +310,8 @@ async def _client(args, port: int, alone: dict[str, dict]) -> dict:
 
 def _pair_main(args) -> int:
     """One process pair (``--role client`` spawns the server)."""
-    os.environ.update(ucx_env(args.tls))
-    if args.net_devices:
-        os.environ["UCX_NET_DEVICES"] = args.net_devices
-    server_cpu, client_cpu = core.parse_cpus(args.cpus)
+    server_cpu, client_cpu = core.pair_setup(args)
     if args.role == "server":
-        core.die_with_parent()
-        core.pin(server_cpu)
         return asyncio.run(_server(args))
     cmd = core.server_cmd(__file__, ["--mode", args.mode, "--host", args.host, "--net-devices", "",
                                 "--work", str(args.work), "--alone", repr(args.alone)],

@@ -308,6 +308,20 @@ def die_with_parent() -> None:
         pass
 
 
+def pair_setup(args) -> tuple[int | None, int | None]:
+    """A ping-pong process of a pair: UCX's transports (``args.tls``,
+    ``args.net_devices``) in the environment; the server (``args.role``)
+    pinned and ending with its parent. Returns (server CPU, client CPU)."""
+    os.environ.update(ucx_env(args.tls))
+    if args.net_devices:
+        os.environ["UCX_NET_DEVICES"] = args.net_devices
+    server_cpu, client_cpu = parse_cpus(args.cpus)
+    if args.role == "server":
+        die_with_parent()
+        pin(server_cpu)
+    return server_cpu, client_cpu
+
+
 def server_cmd(script, role_args: list, spin_us=None, server_cpu=None) -> list:
     """The command line of a benchmark script's server process."""
     cmd = [sys.executable, str(Path(script).resolve()), "--role", "server", *role_args]

@@ -66,7 +66,7 @@ import time
 from pathlib import Path
 
 import core
-from core import BenchError, parse_size, ucx_env
+from core import BenchError, parse_size
 
 METHODS = ("gather", "sequential", "asyncio", "single")
 # ucx_perftest runs per round: name -> (data layout, wait mode, this
@@ -481,14 +481,8 @@ def _main(argv=None) -> int:
     for m in modes:
         if m not in ("blocking", "polling"):
             raise ValueError(f"unknown mode {m!r}")
-    os.environ.update(ucx_env(args.tls))
-    if args.net_devices:
-        os.environ["UCX_NET_DEVICES"] = args.net_devices
-    server_cpu, client_cpu = core.parse_cpus(args.cpus)
-
+    server_cpu, client_cpu = core.pair_setup(args)
     if args.role == "server":
-        core.die_with_parent()
-        core.pin(server_cpu)
         return asyncio.run(_server(args))
 
     raw = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--json"]

@@ -562,13 +562,7 @@ def spins_for(package: str, spins: list[str]) -> list[str | None]:
 
 
 # ------------------------------------------------------------------ parts
-def fmt_t(ns: float | None) -> str:
-    if ns is None:
-        return "–"
-    us = ns / 1e3
-    if us >= 1000:
-        return f"{us / 1e3:.2f} ms"
-    return f"{us:.1f} µs" if us >= 10 else f"{us:.2f} µs"
+fmt_t = core.fmt_t
 
 
 def run_latency(args, variants: list[str]) -> list[dict]:

@@ -312,14 +312,8 @@ def pingpong_main(argv=None) -> int:
     if args.iters < 1:
         p.error("--iters must be >= 1")
 
-    os.environ.update(core.ucx_env(args.tls))
-    if args.net_devices:
-        os.environ["UCX_NET_DEVICES"] = args.net_devices
-    server_cpu, client_cpu = core.parse_cpus(args.cpus)
-
+    server_cpu, client_cpu = core.pair_setup(args)
     if args.role == "server":
-        core.die_with_parent()
-        core.pin(server_cpu)
         return _run(_server(args), args.loop)
 
     cmd = core.server_cmd(__file__, ["--api", args.api, "--mode", args.mode, "--host", args.host,
@@ -449,15 +443,17 @@ WARMUP = 100
 WORKLOAD_TIMEOUT_S = 150  # a workload that runs longer is hung: traceback, exit
 
 
-async def _inproc_core(mode: str, spin_us: float, nbytes: int, iters: int) -> None:
+async def _inproc_core(mode: str, spin_us: float, nbytes: int, iters: int,
+                       workers: int = 2) -> None:
+    """Both ends in this process: on two workers (two contexts), or on one."""
     from ucxx import _ucxx as U
 
     loop = asyncio.get_running_loop()
-    sctx, cctx = U.Context({}), U.Context({})
-    sw = U.Worker(sctx, mode, spin_us=spin_us)
-    cw = U.Worker(cctx, mode, spin_us=spin_us)
-    sw.start(loop)
-    cw.start(loop)
+    ctxs = [U.Context({}) for _ in range(workers)]
+    ws = [U.Worker(c, mode, spin_us=spin_us) for c in ctxs]
+    for w in ws:
+        w.start(loop)
+    sw, cw = ws[0], ws[-1]
     got = loop.create_future()
     listener = sw.listen(lambda ep: got.done() or got.set_result(ep), 0, "127.0.0.1")
     cep = cw.ep_from_sockaddr("127.0.0.1", listener.port)
@@ -468,31 +464,10 @@ async def _inproc_core(mode: str, spin_us: float, nbytes: int, iters: int) -> No
     await _close(cep)
     sep.abort()
     listener.close()
-    cw.close()
-    sw.close()
-    cctx.close()
-    sctx.close()
-
-
-async def _inproc_core_one_worker(mode: str, spin_us: float, nbytes: int, iters: int) -> None:
-    from ucxx import _ucxx as U
-
-    loop = asyncio.get_running_loop()
-    ctx = U.Context({})
-    w = U.Worker(ctx, mode, spin_us=spin_us)
-    w.start(loop)
-    got = loop.create_future()
-    listener = w.listen(lambda ep: got.done() or got.set_result(ep), 0, "127.0.0.1")
-    cep = w.ep_from_sockaddr("127.0.0.1", listener.port)
-    cep.send_tag = cep.recv_tag = 1
-    sep = await got
-    sep.send_tag = sep.recv_tag = 1
-    await _pingpong(cep, sep, nbytes, iters)
-    await _close(cep)
-    sep.abort()
-    listener.close()
-    w.close()
-    ctx.close()
+    for w in reversed(ws):
+        w.close()
+    for c in reversed(ctxs):
+        c.close()
 
 
 async def _inproc_public(mode: str, spin_us: float, nbytes: int, iters: int) -> None:
@@ -566,7 +541,7 @@ def _workload(variant: str, nbytes: int, iters: int) -> None:
     elif variant == "py-polling":
         asyncio.run(_inproc_core("polling", 0.0, nbytes, iters))
     elif variant == "py-blocking-1w":
-        asyncio.run(_inproc_core_one_worker("blocking", 0.0, nbytes, iters))
+        asyncio.run(_inproc_core("blocking", 0.0, nbytes, iters, workers=1))
     elif variant == "pub-blocking":
         asyncio.run(_inproc_public("blocking", 0.0, nbytes, iters))
     else:
@@ -709,7 +684,7 @@ def _fn_name(name: str) -> str:
 
 def _short_object(obj: str) -> str:
     name = os.path.basename(obj)
-    name = re.sub(r"\.cpython-[^.]*\.so$", ".so", name)
+    name = re.sub(r"\.(cpython-[^.]*|abi3)\.so$", ".so", name)
     name = re.sub(r"\.so[.\d]*$", ".so", name)
     return name
 

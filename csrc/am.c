@@ -94,7 +94,7 @@ ucxx_am_setup(WorkerObject *w)
     p.arg = w;
     status = ucp_worker_set_am_recv_handler(w->handle, &p);
     if (status != UCS_OK) {
-        ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+        ucxx_raise_status(w->st, status,
                           "ucp_worker_set_am_recv_handler");
         return -1;
     }
@@ -141,7 +141,7 @@ am_allocate(WorkerObject *w, ucxx_am_msg *m)
         return NULL;
     }
     if (m->mem_type != UCS_MEMORY_TYPE_HOST) {
-        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_UNSUPPORTED,
+        return ucxx_raise(w->st, UCXX_EXC_UNSUPPORTED,
                           "no allocator registered for memory type %d",
                           (int)m->mem_type);
     }
@@ -303,8 +303,8 @@ ucxx_am_recv(EndpointObject *ep)
         return NULL;
     }
     r->posting = 0;
-    if (ep->am_queue != NULL && PyList_GET_SIZE(ep->am_queue) > 0) {
-        PyObject *obj = Py_NewRef(PyList_GET_ITEM(ep->am_queue, 0));
+    if (ep->am_queue != NULL && PyList_Size(ep->am_queue) > 0) {
+        PyObject *obj = Py_NewRef(PyList_GetItem(ep->am_queue, 0));
 
         if (PySequence_DelItem(ep->am_queue, 0) < 0) {
             Py_DECREF(obj);

@@ -59,7 +59,7 @@ cuda_stream_sync(PyObject *stream_obj)
 static int
 typestr_itemsize(PyObject *typestr, Py_ssize_t *itemsize)
 {
-    const char *s = PyUnicode_Check(typestr) ? PyUnicode_AsUTF8(typestr) : NULL;
+    const char *s = PyUnicode_Check(typestr) ? PyUnicode_AsUTF8AndSize(typestr, NULL) : NULL;
     long n;
     char *end;
 
@@ -96,7 +96,7 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
     shape = PyDict_GetItemString(cai, "shape");
     typestr = PyDict_GetItemString(cai, "typestr");
     if (data == NULL || shape == NULL || typestr == NULL ||
-        !PyTuple_Check(data) || PyTuple_GET_SIZE(data) != 2 ||
+        !PyTuple_Check(data) || PyTuple_Size(data) != 2 ||
         !PyTuple_Check(shape)) {
         PyErr_SetString(PyExc_TypeError,
                         "__cuda_array_interface__ needs 'data' (ptr, readonly),"
@@ -116,9 +116,9 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
      * product that does not fit in Py_ssize_t would otherwise wrap (to 0 or
      * to any size) and be posted over an arbitrary pointer.  An empty array
      * (a zero in the shape) has no bytes, whatever its other extents. */
-    n = PyTuple_GET_SIZE(shape);
+    n = PyTuple_Size(shape);
     for (Py_ssize_t i = 0; i < n; i++) {
-        Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
+        Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
         if (d < 0) {
             if (!PyErr_Occurred()) {
                 PyErr_SetString(PyExc_ValueError, "negative CUDA shape");
@@ -140,7 +140,7 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
     }
     strides = PyDict_GetItemString(cai, "strides");
     if (strides != NULL && strides != Py_None) {
-        if (!PyTuple_Check(strides) || PyTuple_GET_SIZE(strides) != n) {
+        if (!PyTuple_Check(strides) || PyTuple_Size(strides) != n) {
             PyErr_SetString(PyExc_TypeError,
                             "__cuda_array_interface__: bad 'strides'");
             return -1;
@@ -150,8 +150,8 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
          * stays <= nbytes and cannot overflow). */
         expect = itemsize;
         for (Py_ssize_t i = n - 1; i >= 0 && !empty; i--) {
-            Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, i));
-            Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GET_ITEM(strides, i));
+            Py_ssize_t d = PyLong_AsSsize_t(PyTuple_GetItem(shape, i));
+            Py_ssize_t s = PyLong_AsSsize_t(PyTuple_GetItem(strides, i));
             if (s == -1 && PyErr_Occurred()) {
                 return -1;
             }
@@ -163,14 +163,14 @@ cuda_buf_get(PyObject *obj, PyObject *cai, int writable, ucxx_buf *b)
             expect *= d;
         }
     }
-    ro = PyTuple_GET_ITEM(data, 1);
+    ro = PyTuple_GetItem(data, 1);
     if (writable && PyObject_IsTrue(ro)) {
         PyErr_SetString(PyExc_BufferError,
                         "CUDA array is read-only; a receive needs a writable "
                         "buffer");
         return -1;
     }
-    ptr = PyTuple_GET_ITEM(data, 0);
+    ptr = PyTuple_GetItem(data, 0);
     b->ptr = PyLong_AsVoidPtr(ptr);
     if (b->ptr == NULL && PyErr_Occurred()) {
         return -1;
@@ -261,10 +261,15 @@ ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b)
     }
     if (cai == NULL) {
         if (!PyErr_Occurred()) {
-            PyErr_Format(PyExc_TypeError,
-                         "a bytes-like object or an object with "
-                         "__cuda_array_interface__ is required, not '%.100s'",
-                         Py_TYPE(obj)->tp_name);
+            PyObject *tn = ucxx_type_name(obj);
+
+            if (tn != NULL) {
+                PyErr_Format(PyExc_TypeError,
+                             "a bytes-like object or an object with "
+                             "__cuda_array_interface__ is required, not '%U'",
+                             tn);
+                Py_DECREF(tn);
+            }
         }
         return -1;
     }
@@ -289,8 +294,12 @@ ucxx_tag_from_obj(PyObject *obj, ucp_tag_t *tag)
     unsigned long long v;
 
     if (!PyLong_Check(obj)) {
-        PyErr_Format(PyExc_TypeError, "tag must be an int, not '%.100s'",
-                     Py_TYPE(obj)->tp_name);
+        PyObject *tn = ucxx_type_name(obj);
+
+        if (tn != NULL) {
+            PyErr_Format(PyExc_TypeError, "tag must be an int, not '%U'", tn);
+            Py_DECREF(tn);
+        }
         return -1;
     }
     v = PyLong_AsUnsignedLongLong(obj);

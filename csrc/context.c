@@ -69,8 +69,13 @@ ucxx_config_apply(ucxx_state *st, ucp_config_t *config, PyObject *opts,
         return 0;
     }
     if (!PyDict_Check(opts)) {
-        PyErr_Format(PyExc_TypeError, "options must be a dict, not '%.100s'",
-                     Py_TYPE(opts)->tp_name);
+        PyObject *tn = ucxx_type_name(opts);
+
+        if (tn != NULL) {
+            PyErr_Format(PyExc_TypeError, "options must be a dict, not '%U'",
+                         tn);
+            Py_DECREF(tn);
+        }
         return -1;
     }
     while (PyDict_Next(opts, &pos, &key, &value)) {
@@ -84,7 +89,7 @@ ucxx_config_apply(ucxx_state *st, ucp_config_t *config, PyObject *opts,
                          key);
             return -1;
         }
-        k = PyUnicode_AsUTF8(key);
+        k = PyUnicode_AsUTF8AndSize(key, NULL);
         if (k == NULL) {
             return -1;
         }
@@ -99,7 +104,7 @@ ucxx_config_apply(ucxx_state *st, ucp_config_t *config, PyObject *opts,
         if (vs == NULL) {
             return -1;
         }
-        v = PyUnicode_AsUTF8(vs);
+        v = PyUnicode_AsUTF8AndSize(vs, NULL);
         if (v == NULL) {
             Py_DECREF(vs);
             return -1;
@@ -176,7 +181,7 @@ af_prio_inet6_first(PyObject *opts, int env_first)
         }
     }
     if (o != NULL && PyUnicode_Check(o) && !(env_first && env != NULL)) {
-        v = PyUnicode_AsUTF8(o);
+        v = PyUnicode_AsUTF8AndSize(o, NULL);
     } else {
         v = env;
     }
@@ -203,7 +208,7 @@ Context_new(PyTypeObject *type, PyObject *args, PyObject *kw)
                                      &features, &env_first)) {
         return NULL;
     }
-    self = (ContextObject *)type->tp_alloc(type, 0);
+    self = (ContextObject *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
     if (self == NULL) {
         return NULL;
     }
@@ -315,7 +320,7 @@ Context_get_features(ContextObject *self, void *closure)
 static int
 Context_traverse(ContextObject *self, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(Py_TYPE((PyObject *)self));
     Py_VISIT(self->config);
     return 0;
 }
@@ -349,9 +354,9 @@ Context_finalize(ContextObject *self)
 static void
 Context_dealloc(ContextObject *self)
 {
-    PyTypeObject *tp = Py_TYPE(self);
+    PyTypeObject *tp = Py_TYPE((PyObject *)self);
 
-    if (PyObject_CallFinalizerFromDealloc((PyObject *)self) < 0) {
+    if (ucxx_finalize_from_dealloc((PyObject *)self, &self->finalized) < 0) {
         return;
     }
     PyObject_GC_UnTrack(self);
@@ -360,7 +365,7 @@ Context_dealloc(ContextObject *self)
     }
     context_close_now(self);
     Context_clear(self);
-    tp->tp_free(self);
+    ((freefunc)PyType_GetSlot(tp, Py_tp_free))(self);
     Py_DECREF(tp);
 }
 

@@ -77,16 +77,16 @@ EndpointObject *
 ucxx_endpoint_new(WorkerObject *w, ucp_ep_params_t *params,
                   int error_handling)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyTypeObject *tp = st->EndpointType;
     EndpointObject *ep;
     ucs_status_t status;
 
-    ep = (EndpointObject *)tp->tp_alloc(tp, 0);
+    ep = (EndpointObject *)((allocfunc)PyType_GetSlot(tp, Py_tp_alloc))(tp, 0);
     if (ep == NULL) {
         return NULL;
     }
-    ep->worker = (WorkerObject *)Py_NewRef(w);
+    ep->worker = (WorkerObject *)Py_NewRef((PyObject *)w);
     ucxx_list_init(&ep->wlink);
     ucxx_list_init(&ep->elink);
     ucxx_list_init(&ep->alink);
@@ -230,7 +230,7 @@ ucxx_endpoint_flushed(EndpointObject *ep)
     if (r == NULL) {
         PyErr_WriteUnraisable((PyObject *)ep);
     }
-    Py_XDECREF(r);
+    Py_XDECREF((PyObject *)r);
 }
 
 /* Close now (force): pending receives fail with `report`. */
@@ -253,7 +253,7 @@ ucxx_endpoint_abort_now(EndpointObject *ep, ucs_status_t report)
         if (r == NULL) {
             PyErr_WriteUnraisable((PyObject *)ep);
         }
-        Py_XDECREF(r);
+        Py_XDECREF((PyObject *)r);
     }
     run_close_callback(ep);
     ucxx_unlock(ep->worker);
@@ -274,7 +274,7 @@ ucxx_endpoint_report_error(EndpointObject *ep)
         if (r == NULL) {
             PyErr_WriteUnraisable((PyObject *)ep);
         }
-        Py_XDECREF(r);
+        Py_XDECREF((PyObject *)r);
     }
     run_close_callback(ep);
 }
@@ -284,7 +284,7 @@ ucxx_endpoint_report_error(EndpointObject *ep)
 static int
 endpoint_check_send(EndpointObject *ep)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)ep);
+    ucxx_state *st = ep->worker->st;
 
     if (ucxx_worker_check(ep->worker) < 0) {
         return -1;
@@ -336,11 +336,16 @@ mix_name_tag(PyObject *obj, ucp_tag_t base, ucp_tag_t *tag)
             return -1;
         }
     } else if (PyBytes_Check(obj)) {
-        p = PyBytes_AS_STRING(obj);
-        n = PyBytes_GET_SIZE(obj);
+        p = PyBytes_AsString(obj);
+        n = PyBytes_Size(obj);
     } else {
-        PyErr_Format(PyExc_TypeError, "tag must be an int, str or bytes, "
-                     "not '%.100s'", Py_TYPE(obj)->tp_name);
+        PyObject *tn = ucxx_type_name(obj);
+
+        if (tn != NULL) {
+            PyErr_Format(PyExc_TypeError, "tag must be an int, str or bytes, "
+                         "not '%U'", tn);
+            Py_DECREF(tn);
+        }
         return -1;
     }
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -358,7 +363,7 @@ parse_msg_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
                ucp_tag_t *tag)
 {
     PyObject *tag_obj = Py_None, *force_obj = Py_False;
-    Py_ssize_t nkw = kwnames ? PyTuple_GET_SIZE(kwnames) : 0;
+    Py_ssize_t nkw = kwnames ? PyTuple_Size(kwnames) : 0;
     int force;
 
     if (nargs < nbuf || nargs > nbuf + 2) {
@@ -374,7 +379,7 @@ parse_msg_args(PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames,
         force_obj = args[nbuf + 1];
     }
     for (Py_ssize_t i = 0; i < nkw; i++) {
-        PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+        PyObject *k = PyTuple_GetItem(kwnames, i);
         if (PyUnicode_CompareWithASCIIString(k, "tag") == 0) {
             tag_obj = args[nargs + i];
         } else if (PyUnicode_CompareWithASCIIString(k, "force_tag") == 0) {
@@ -416,12 +421,12 @@ PyDoc_STRVAR(Endpoint_recv_tag_for_doc,
 
 static PyObject *
 Endpoint_recv_tag_for(EndpointObject *ep, PyObject *const *args,
-                      size_t nargsf, PyObject *kwnames)
+                      Py_ssize_t nargs, PyObject *kwnames)
 {
     PyObject *unused;
     ucp_tag_t tag;
 
-    if (parse_msg_args(args, PyVectorcall_NARGS(nargsf), kwnames,
+    if (parse_msg_args(args, nargs, kwnames,
                        "recv_tag_for", ep->recv_tag, 0, &unused, &tag) < 0) {
         return NULL;
     }
@@ -436,13 +441,13 @@ PyDoc_STRVAR(Endpoint_send_doc,
 "force_tag. Returns an awaitable Request.");
 
 static PyObject *
-Endpoint_send(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+Endpoint_send(EndpointObject *ep, PyObject *const *args, Py_ssize_t nargs,
               PyObject *kwnames)
 {
     PyObject *buf;
     ucp_tag_t tag;
 
-    if (parse_msg_args(args, PyVectorcall_NARGS(nargsf), kwnames, "send",
+    if (parse_msg_args(args, nargs, kwnames, "send",
                        ep->send_tag, 1, &buf, &tag) < 0 ||
         endpoint_check_send(ep) < 0) {
         return NULL;
@@ -456,13 +461,13 @@ PyDoc_STRVAR(Endpoint_recv_doc,
 "Await returns the number of bytes received.");
 
 static PyObject *
-Endpoint_recv(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+Endpoint_recv(EndpointObject *ep, PyObject *const *args, Py_ssize_t nargs,
               PyObject *kwnames)
 {
     PyObject *buf;
     ucp_tag_t tag;
 
-    if (parse_msg_args(args, PyVectorcall_NARGS(nargsf), kwnames, "recv",
+    if (parse_msg_args(args, nargs, kwnames, "recv",
                        ep->recv_tag, 1, &buf, &tag) < 0 ||
         endpoint_check_recv(ep) < 0) {
         return NULL;
@@ -540,14 +545,14 @@ Endpoint_stream_recv(EndpointObject *ep, PyObject *buf)
  * gather_recv(buffers, tag=None, force_tag=False): `header` is taken out
  * of the keywords, the rest parsed as for send/recv. */
 static PyObject *
-gather(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+gather(EndpointObject *ep, PyObject *const *args, Py_ssize_t nargs,
        PyObject *kwnames, int recv)
 {
     PyObject *bufs, *header = NULL, *argv[8], *kw = NULL, *res = NULL;
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), nkw, n = 0;
+    Py_ssize_t nkw, n = 0;
     ucp_tag_t tag;
 
-    nkw = kwnames != NULL ? PyTuple_GET_SIZE(kwnames) : 0;
+    nkw = kwnames != NULL ? PyTuple_Size(kwnames) : 0;
     if (!recv && nkw > 0) {
         if (nargs + nkw > (Py_ssize_t)(sizeof(argv) / sizeof(argv[0]))) {
             PyErr_SetString(PyExc_TypeError,
@@ -562,7 +567,7 @@ gather(EndpointObject *ep, PyObject *const *args, size_t nargsf,
             argv[n] = args[n];
         }
         for (Py_ssize_t i = 0; i < nkw; i++) {
-            PyObject *k = PyTuple_GET_ITEM(kwnames, i);
+            PyObject *k = PyTuple_GetItem(kwnames, i);
 
             if (PyUnicode_CompareWithASCIIString(k, "header") == 0) {
                 header = args[nargs + i];
@@ -577,7 +582,7 @@ gather(EndpointObject *ep, PyObject *const *args, size_t nargsf,
             goto out;
         }
         args = argv;
-        kwnames = PyTuple_GET_SIZE(kw) > 0 ? kw : NULL;
+        kwnames = PyTuple_Size(kw) > 0 ? kw : NULL;
         if (header == Py_None) {
             header = NULL;
         }
@@ -607,10 +612,10 @@ PyDoc_STRVAR(Endpoint_gather_send_doc,
 "own (received with recv), in the same call.");
 
 static PyObject *
-Endpoint_gather_send(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+Endpoint_gather_send(EndpointObject *ep, PyObject *const *args, Py_ssize_t nargs,
                      PyObject *kwnames)
 {
-    return gather(ep, args, nargsf, kwnames, 0);
+    return gather(ep, args, nargs, kwnames, 0);
 }
 
 PyDoc_STRVAR(Endpoint_gather_recv_doc,
@@ -620,10 +625,10 @@ PyDoc_STRVAR(Endpoint_gather_recv_doc,
 "is not that of its buffers raises UCXMessageTruncatedError naming both.");
 
 static PyObject *
-Endpoint_gather_recv(EndpointObject *ep, PyObject *const *args, size_t nargsf,
+Endpoint_gather_recv(EndpointObject *ep, PyObject *const *args, Py_ssize_t nargs,
                      PyObject *kwnames)
 {
-    return gather(ep, args, nargsf, kwnames, 1);
+    return gather(ep, args, nargs, kwnames, 1);
 }
 
 PyDoc_STRVAR(Endpoint_gather_runs_doc,
@@ -635,13 +640,12 @@ PyDoc_STRVAR(Endpoint_gather_runs_doc,
 static PyObject *
 Endpoint_gather_runs(PyObject *cls, PyObject *bufs)
 {
-    PyObject *mod = PyType_GetModuleByDef((PyTypeObject *)cls,
-                                          &ucxx_module_def);
+    ucxx_state *st = ucxx_state_from_type((PyTypeObject *)cls);
 
-    if (mod == NULL) {
+    if (st == NULL) {
         return NULL;
     }
-    return ucxx_gather_runs(PyModule_GetState(mod), bufs);
+    return ucxx_gather_runs(st, bufs);
 }
 
 PyDoc_STRVAR(Endpoint_am_send_doc,
@@ -678,7 +682,7 @@ Endpoint_am_probe(EndpointObject *ep, PyObject *unused)
 {
     return PyBool_FromLong(ep->am_raw != NULL ||
                            (ep->am_queue != NULL &&
-                            PyList_GET_SIZE(ep->am_queue) > 0));
+                            PyList_Size(ep->am_queue) > 0));
 }
 
 /* ---- close -------------------------------------------------------------- */
@@ -704,7 +708,7 @@ Endpoint_close(EndpointObject *ep, PyObject *unused)
     ucxx_list_del(&ep->wlink);
     r = ep_close_handle(ep, 0);
     if (r != NULL) {
-        ep->close_req = Py_NewRef(r);
+        ep->close_req = Py_NewRef((PyObject *)r);
         ucxx_am_discard(ep);
         run_close_callback(ep);
         if (ep->worker->handle != NULL) {
@@ -833,7 +837,7 @@ Endpoint_get_uid(EndpointObject *ep, void *closure)
 static PyObject *
 Endpoint_get_worker(EndpointObject *ep, void *closure)
 {
-    return Py_NewRef(ep->worker);
+    return Py_NewRef((PyObject *)ep->worker);
 }
 
 static PyObject *
@@ -896,7 +900,7 @@ Endpoint_set_recv_tag(EndpointObject *ep, PyObject *v, void *c)
 static int
 Endpoint_traverse(EndpointObject *ep, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(ep));
+    Py_VISIT(Py_TYPE((PyObject *)ep));
     Py_VISIT(ep->worker);
     Py_VISIT(ep->close_cb);
     Py_VISIT(ep->close_req);
@@ -939,9 +943,9 @@ Endpoint_finalize(EndpointObject *ep)
 static void
 Endpoint_dealloc(EndpointObject *ep)
 {
-    PyTypeObject *tp = Py_TYPE(ep);
+    PyTypeObject *tp = Py_TYPE((PyObject *)ep);
 
-    if (PyObject_CallFinalizerFromDealloc((PyObject *)ep) < 0) {
+    if (ucxx_finalize_from_dealloc((PyObject *)ep, &ep->finalized) < 0) {
         return;
     }
     PyObject_GC_UnTrack(ep);
@@ -959,7 +963,7 @@ Endpoint_dealloc(EndpointObject *ep)
     }
     Endpoint_clear(ep);
     Py_CLEAR(ep->worker);
-    tp->tp_free(ep);
+    ((freefunc)PyType_GetSlot(tp, Py_tp_free))(ep);
     Py_DECREF(tp);
 }
 

@@ -161,7 +161,7 @@ ucxx_worker_arm(WorkerObject *w, int drained)
             return 0;
         }
         if (status != UCS_ERR_BUSY) {
-            ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+            ucxx_raise_status(w->st, status,
                               "ucp_worker_arm");
             return -1;
         }
@@ -189,7 +189,7 @@ void
 ucxx_worker_touched(WorkerObject *w)
 {
     UCXX_ASSERT_LOCKED(w);
-    ucxx_state_of((PyObject *)w)->ucx_calls++;
+    w->st->ucx_calls++;
     if (w->armed) {
         w->armed = 0;
         if (w->mode == UCXX_MODE_BLOCKING) {
@@ -336,7 +336,7 @@ ucxx_slice_spent(WorkerObject *w)
 PyObject *
 ucxx_slice_yield(WorkerObject *w)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyObject *fut, *set, *res, *running;
 
     w->slice_start = 0.0;
@@ -362,13 +362,8 @@ ucxx_slice_yield(WorkerObject *w)
         Py_DECREF(fut);
         return NULL;
     }
-    {
-        PyObject *args[4] = {w->loop, st->zero, set, Py_None};
-
-        res = PyObject_VectorcallMethod(st->s_call_later, args,
-                                        4 | PY_VECTORCALL_ARGUMENTS_OFFSET,
-                                        NULL);
-    }
+    res = PyObject_CallMethodObjArgs(w->loop, st->s_call_later, st->zero, set,
+                                     Py_None, NULL);
     Py_DECREF(set);
     if (res == NULL || PyObject_SetAttr(fut, st->s_blocking, Py_True) < 0) {
         Py_XDECREF(res);

@@ -145,8 +145,8 @@ static int
 gather_prepare(ucxx_state *st, RequestObject *r, PyObject *hseq,
                PyObject *seq, int recv)
 {
-    Py_ssize_t nh = hseq != NULL ? PySequence_Fast_GET_SIZE(hseq) : 0;
-    Py_ssize_t n = nh + PySequence_Fast_GET_SIZE(seq), iovs = 0;
+    Py_ssize_t nh = hseq != NULL ? ucxx_fast_size(hseq) : 0;
+    Py_ssize_t n = nh + ucxx_fast_size(seq), iovs = 0;
 
     if (n > 1) {
         r->ops = PyMem_Calloc((size_t)n, sizeof(ucxx_op));
@@ -157,8 +157,8 @@ gather_prepare(ucxx_state *st, RequestObject *r, PyObject *hseq,
         }
     }
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *obj = i < nh ? PySequence_Fast_GET_ITEM(hseq, i)
-                               : PySequence_Fast_GET_ITEM(seq, i - nh);
+        PyObject *obj = i < nh ? ucxx_fast_item(hseq, i)
+                               : ucxx_fast_item(seq, i - nh);
 
         if (ucxx_buf_get(st, obj, recv, &r->bufs[i]) < 0) {
             return -1;
@@ -227,7 +227,7 @@ ucxx_gather(EndpointObject *ep, PyObject *bufs, PyObject *header,
     if (r == NULL || gather_prepare(st, r, hseq, seq, recv) < 0) {
         Py_DECREF(seq);
         Py_XDECREF(hseq);
-        Py_XDECREF(r);
+        Py_XDECREF((PyObject *)r);
         return NULL;
     }
     Py_DECREF(seq);
@@ -369,7 +369,7 @@ ucxx_gather_runs(ucxx_state *st, PyObject *bufs)
     if (seq == NULL) {
         return NULL;
     }
-    n = PySequence_Fast_GET_SIZE(seq);
+    n = ucxx_fast_size(seq);
     b = PyMem_Calloc((size_t)(n ? n : 1), sizeof(ucxx_buf));
     ops = PyMem_Calloc((size_t)(n ? n : 1), sizeof(ucxx_op));
     if (b == NULL || ops == NULL) {
@@ -377,7 +377,7 @@ ucxx_gather_runs(ucxx_state *st, PyObject *bufs)
         goto out;
     }
     for (; got < n; got++) {
-        if (ucxx_buf_get(st, PySequence_Fast_GET_ITEM(seq, got), 0,
+        if (ucxx_buf_get(st, ucxx_fast_item(seq, got), 0,
                          &b[got]) < 0) {
             goto out;
         }
@@ -396,7 +396,7 @@ ucxx_gather_runs(ucxx_state *st, PyObject *bufs)
             Py_CLEAR(out);
             goto out;
         }
-        PyList_SET_ITEM(out, j, t);
+        PyList_SetItem(out, j, t);
     }
 out:
     for (Py_ssize_t i = 0; i < got; i++) {

@@ -54,7 +54,7 @@ ucxx_listener_deliver(ListenerObject *l)
                                          (PyObject *)ep) < 0) {
             PyErr_WriteUnraisable((PyObject *)l);
         }
-        Py_XDECREF(ep);
+        Py_XDECREF((PyObject *)ep);
     }
     free(conns);
 }
@@ -86,7 +86,7 @@ PyObject *
 ucxx_listener_create(WorkerObject *w, PyObject *cb, int port,
                      const char *host, int error_handling)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyTypeObject *tp = st->ListenerType;
     ucp_listener_params_t params = {0};
     ucp_listener_attr_t attr = {0};
@@ -116,13 +116,13 @@ ucxx_listener_create(WorkerObject *w, PyObject *cb, int port,
     if (ucxx_check_family(w, ss.ss_family, host) < 0) {
         return NULL;
     }
-    l = (ListenerObject *)tp->tp_alloc(tp, 0);
+    l = (ListenerObject *)((allocfunc)PyType_GetSlot(tp, Py_tp_alloc))(tp, 0);
     if (l == NULL) {
         return NULL;
     }
     ucxx_list_init(&l->wlink);
     ucxx_list_init(&l->clink);
-    l->worker = (WorkerObject *)Py_NewRef(w);
+    l->worker = (WorkerObject *)Py_NewRef((PyObject *)w);
     l->callback = Py_NewRef(cb);
     l->error_handling = error_handling;
     params.field_mask = UCP_LISTENER_PARAM_FIELD_SOCK_ADDR |
@@ -199,13 +199,13 @@ Listener_get_closed(ListenerObject *l, void *c)
 static PyObject *
 Listener_get_worker(ListenerObject *l, void *c)
 {
-    return Py_NewRef(l->worker);
+    return Py_NewRef((PyObject *)l->worker);
 }
 
 static int
 Listener_traverse(ListenerObject *l, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(l));
+    Py_VISIT(Py_TYPE((PyObject *)l));
     Py_VISIT(l->worker);
     Py_VISIT(l->callback);
     return 0;
@@ -221,7 +221,7 @@ Listener_clear(ListenerObject *l)
 static void
 Listener_dealloc(ListenerObject *l)
 {
-    PyTypeObject *tp = Py_TYPE(l);
+    PyTypeObject *tp = Py_TYPE((PyObject *)l);
 
     PyObject_GC_UnTrack(l);
     if (l->weakreflist != NULL) {
@@ -233,7 +233,7 @@ Listener_dealloc(ListenerObject *l)
     }
     Listener_clear(l);
     Py_CLEAR(l->worker);
-    tp->tp_free(l);
+    ((freefunc)PyType_GetSlot(tp, Py_tp_free))(l);
     Py_DECREF(tp);
 }
 

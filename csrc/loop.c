@@ -11,17 +11,15 @@
 int
 ucxx_call_soon(WorkerObject *w, PyObject *cb, PyObject *arg)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
-    PyObject *args[3] = {w->loop, cb, arg};
+    ucxx_state *st = w->st;
     PyObject *res;
 
     w->wakeups++;
     if (w->loop == NULL) {
-        res = arg ? PyObject_CallOneArg(cb, arg) : PyObject_CallNoArgs(cb);
+        res = arg ? ucxx_call1(cb, arg) : PyObject_CallNoArgs(cb);
     } else {
-        res = PyObject_VectorcallMethod(st->s_call_soon, args,
-                                        (arg ? 3 : 2) |
-                                        PY_VECTORCALL_ARGUMENTS_OFFSET, NULL);
+        res = PyObject_CallMethodObjArgs(w->loop, st->s_call_soon, cb, arg,
+                                         NULL);
     }
     if (res == NULL) {
         return -1;
@@ -37,17 +35,15 @@ PyObject *
 ucxx_worker_new_future(WorkerObject *w, ucxx_state *st)
 {
     if (w->direct_future) {
-        PyObject *args[1] = {w->loop};
-
-        return PyObject_Vectorcall(st->Future, args, 0, st->kw_loop);
+        return PyObject_Call(st->Future, st->empty_tuple, w->future_kw);
     }
-    return PyObject_CallMethodNoArgs(w->loop, st->s_create_future);
+    return ucxx_call_method0(w->loop, st->s_create_future);
 }
 
 static int
 loop_is_closed(ucxx_state *st, PyObject *loop)
 {
-    PyObject *res = PyObject_CallMethodNoArgs(loop, st->s_is_closed);
+    PyObject *res = ucxx_call_method0(loop, st->s_is_closed);
     int closed;
 
     if (res == NULL) {
@@ -81,7 +77,7 @@ ucxx_worker_stop_thread(WorkerObject *w)
         return;
     }
     if (w->loop != NULL &&
-        !loop_is_closed(ucxx_state_of((PyObject *)w), w->loop)) {
+        !loop_is_closed(w->st, w->loop)) {
         res = PyObject_CallMethod(w->loop, "remove_reader", "i",
                                   w->notify_fd);
         Py_XDECREF(res);
@@ -106,10 +102,10 @@ end_progress_task(ucxx_state *st, PyObject *task, PyObject *waiter,
         PyErr_Clear();
     }
     if (waiter != NULL && !closed) {
-        res = PyObject_CallMethodNoArgs(waiter, st->s_done);
+        res = ucxx_call_method0(waiter, st->s_done);
         if (res == Py_False) {
             Py_DECREF(res);
-            res = PyObject_CallMethodOneArg(waiter, st->s_set_result, Py_None);
+            res = ucxx_call_method1(waiter, st->s_set_result, Py_None);
         }
         Py_XDECREF(res);
         PyErr_Clear();
@@ -120,7 +116,7 @@ end_progress_task(ucxx_state *st, PyObject *task, PyObject *waiter,
 void
 ucxx_worker_detach(WorkerObject *w)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyObject *loop = w->loop, *task = w->task, *waiter = w->waiter, *res;
     int closed;
 
@@ -133,6 +129,7 @@ ucxx_worker_detach(WorkerObject *w)
     w->waiter = NULL;
     Py_CLEAR(w->coro);
     w->direct_future = 0;
+    Py_CLEAR(w->future_kw);
     w->armed = 0;
     w->rearm_scheduled = 0;
     w->slice_start = 0.0;
@@ -153,7 +150,7 @@ ucxx_worker_detach(WorkerObject *w)
 int
 ucxx_worker_attach(WorkerObject *w, PyObject *loop)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     PyObject *res, *coro = NULL;
 
     if (w->loop == loop) {
@@ -181,6 +178,12 @@ ucxx_worker_attach(WorkerObject *w, PyObject *loop)
         Py_XDECREF(mine);
         Py_XDECREF(base);
         PyErr_Clear();
+        if (w->direct_future) {
+            w->future_kw = Py_BuildValue("{s:O}", "loop", loop);
+            if (w->future_kw == NULL) {
+                return -1;
+            }
+        }
     }
     if (w->mode == UCXX_MODE_BLOCKING || UCXX_THREADED(w)) {
         int threaded = UCXX_THREADED(w);
@@ -207,7 +210,7 @@ ucxx_worker_attach(WorkerObject *w, PyObject *loop)
         goto error;
     }
     w->coro = Py_NewRef(coro);
-    w->task = PyObject_CallMethodOneArg(loop, st->s_create_task, coro);
+    w->task = ucxx_call_method1(loop, st->s_create_task, coro);
     Py_DECREF(coro);
     if (w->task == NULL) {
         goto error;

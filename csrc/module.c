@@ -13,17 +13,59 @@ atfork_child(void)
     ucxx_fork_generation++;
 }
 
+PyObject *
+ucxx_module_from_type(PyTypeObject *tp)
+{
+    /* A Python subclass of one of our types (the public ucxx.Endpoint)
+     * has no module of its own: its C base has, the one heap type in the
+     * chain whose base (object) is not a heap type.  Found by walking up
+     * rather than by PyType_GetModuleByDef, stable only from 3.13, or by
+     * PyType_GetModule, which raises on the subclass. */
+    PyTypeObject *base;
+
+    if (PyType_GetFlags(tp) & Py_TPFLAGS_BASETYPE) {
+        while ((base = (PyTypeObject *)PyType_GetSlot(tp, Py_tp_base)) !=
+                   NULL &&
+               (PyType_GetFlags(base) & Py_TPFLAGS_HEAPTYPE)) {
+            tp = base;
+        }
+    }
+    return PyType_GetModule(tp);
+}
+
 ucxx_state *
 ucxx_state_from_type(PyTypeObject *tp)
 {
-    /* A Python subclass of one of our types (the public ucxx.Endpoint)
-     * has no module of its own: its C base has. */
-    while (((PyHeapTypeObject *)tp)->ht_module == NULL &&
-           tp->tp_base != NULL &&
-           (tp->tp_base->tp_flags & Py_TPFLAGS_HEAPTYPE)) {
-        tp = tp->tp_base;
+    PyObject *mod = ucxx_module_from_type(tp);
+
+    return mod != NULL ? (ucxx_state *)PyModule_GetState(mod) : NULL;
+}
+
+/* PyObject_CallFinalizerFromDealloc, which the limited API lacks: run the
+ * type's tp_finalize once, the object resurrected meanwhile.  A Python
+ * subclass's dealloc has run it already (PyObject_GC_IsFinalized); our own
+ * flag stands for the GC's mark, so that a resurrected object (a warning
+ * filter keeping the ResourceWarning's source) is not finalized twice.
+ * -1: the finalizer resurrected it, dealloc must stop. */
+int
+ucxx_finalize_from_dealloc(PyObject *self, int *finalized)
+{
+    destructor fin;
+    Py_ssize_t refcnt;
+
+    if (*finalized || PyObject_GC_IsFinalized(self)) {
+        return 0;
     }
-    return (ucxx_state *)PyType_GetModuleState(tp);
+    *finalized = 1;
+    fin = (destructor)PyType_GetSlot(Py_TYPE(self), Py_tp_finalize);
+    if (fin == NULL) {
+        return 0;
+    }
+    Py_SET_REFCNT(self, 1);
+    fin(self);
+    refcnt = Py_REFCNT(self) - 1;
+    Py_SET_REFCNT(self, refcnt);
+    return refcnt > 0 ? -1 : 0;
 }
 
 ucxx_state *
@@ -67,9 +109,14 @@ ucxx_throw(PyObject *const *args, Py_ssize_t nargs)
     } else if (PyExceptionClass_Check(typ)) {
         PyErr_SetObject(typ, val);
     } else {
-        PyErr_Format(PyExc_TypeError,
-                     "exceptions must be classes or instances deriving from "
-                     "BaseException, not %s", Py_TYPE(typ)->tp_name);
+        PyObject *tn = ucxx_type_name(typ);
+
+        if (tn != NULL) {
+            PyErr_Format(PyExc_TypeError,
+                         "exceptions must be classes or instances deriving "
+                         "from BaseException, not %U", tn);
+            Py_DECREF(tn);
+        }
         return NULL;
     }
     if (tb != NULL) {
@@ -173,12 +220,12 @@ module_exec(PyObject *m)
                                                    "InvalidStateError");
     st->BaseEventLoop = PyObject_GetAttrString(asyncio, "BaseEventLoop");
     st->Future = PyObject_GetAttrString(asyncio, "Future");
-    st->kw_loop = Py_BuildValue("(s)", "loop");
+    st->empty_tuple = PyTuple_New(0);
     st->zero = PyLong_FromLong(0);
     if (st->get_running_loop == NULL || st->CancelledError == NULL ||
         st->InvalidStateError == NULL ||
         st->BaseEventLoop == NULL || st->Future == NULL ||
-        st->kw_loop == NULL || st->zero == NULL) {
+        st->empty_tuple == NULL || st->zero == NULL) {
         goto error;
     }
 
@@ -250,7 +297,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
     Py_VISIT(st->InvalidStateError);
     Py_VISIT(st->BaseEventLoop);
     Py_VISIT(st->Future);
-    Py_VISIT(st->kw_loop);
+    Py_VISIT(st->empty_tuple);
     return 0;
 }
 
@@ -274,7 +321,7 @@ module_clear(PyObject *m)
     Py_CLEAR(st->InvalidStateError);
     Py_CLEAR(st->BaseEventLoop);
     Py_CLEAR(st->Future);
-    Py_CLEAR(st->kw_loop);
+    Py_CLEAR(st->empty_tuple);
     Py_CLEAR(st->s_create_future);
     Py_CLEAR(st->s_create_task);
     Py_CLEAR(st->s_set_result);

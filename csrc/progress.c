@@ -23,13 +23,13 @@ typedef struct {
 PyObject *
 ucxx_progress_new(WorkerObject *w, PyObject *loop)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     ProgressObject *p = PyObject_GC_New(ProgressObject, st->ProgressType);
 
     if (p == NULL) {
         return NULL;
     }
-    p->worker = (WorkerObject *)Py_NewRef(w);
+    p->worker = (WorkerObject *)Py_NewRef((PyObject *)w);
     p->loop = Py_NewRef(loop);
     p->finished = 0;
     PyObject_GC_Track(p);
@@ -161,19 +161,19 @@ Progress_close(ProgressObject *p, PyObject *unused)
 static PyObject *
 Progress_await(ProgressObject *p)
 {
-    return Py_NewRef(p);
+    return Py_NewRef((PyObject *)p);
 }
 
 static PyObject *
 Progress_get_worker(ProgressObject *p, void *closure)
 {
-    return Py_NewRef(p->worker);
+    return Py_NewRef((PyObject *)p->worker);
 }
 
 static int
 Progress_traverse(ProgressObject *p, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(p));
+    Py_VISIT(Py_TYPE((PyObject *)p));
     Py_VISIT(p->worker);
     Py_VISIT(p->loop);
     return 0;
@@ -190,7 +190,7 @@ Progress_clear(ProgressObject *p)
 static void
 Progress_dealloc(ProgressObject *p)
 {
-    PyTypeObject *tp = Py_TYPE(p);
+    PyTypeObject *tp = Py_TYPE((PyObject *)p);
 
     PyObject_GC_UnTrack(p);
     Progress_clear(p);

@@ -11,7 +11,7 @@ RequestObject *
 ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
                  Py_ssize_t nops)
 {
-    ucxx_state *st = ucxx_state_of((PyObject *)w);
+    ucxx_state *st = w->st;
     RequestObject *r;
 
     r = st->req_free;
@@ -25,8 +25,8 @@ ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
             return NULL;
         }
     }
-    r->worker = (WorkerObject *)Py_NewRef(w);
-    r->endpoint = (EndpointObject *)Py_XNewRef(ep);
+    r->worker = (WorkerObject *)Py_NewRef((PyObject *)w);
+    r->endpoint = (EndpointObject *)Py_XNewRef((PyObject *)ep);
     r->kind = kind;
     r->status = UCS_INPROGRESS;
     r->first_error = UCS_OK;
@@ -138,7 +138,7 @@ ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp)
     op->ucp_req = sp;
     r->npending++;
     if (!r->self_ref) {
-        Py_INCREF(r);
+        Py_INCREF((PyObject *)r);
         r->self_ref = 1;
         ucxx_list_add_tail(&r->worker->pending, &r->wlink);
     }
@@ -162,7 +162,7 @@ ucxx_request_complete_now(RequestObject *r, ucs_status_t status)
     record_error(r, status);
     if (r->npending == 0 && !r->queued && r->status == UCS_INPROGRESS) {
         if (!r->self_ref) {
-            Py_INCREF(r);
+            Py_INCREF((PyObject *)r);
             r->self_ref = 1;
         }
         ucxx_worker_queue_done(r->worker, r);
@@ -267,11 +267,11 @@ request_settle(RequestObject *r, ucs_status_t status)
         val = ucxx_request_result(r);
 
         if (val != NULL) {
-            res = PyObject_CallMethodOneArg(fut, st->s_set_result, val);
+            res = ucxx_call_method1(fut, st->s_set_result, val);
             Py_DECREF(val);
         } else {
             PyObject *exc = PyErr_GetRaisedException_compat();
-            res = PyObject_CallMethodOneArg(fut, st->s_set_exception, exc);
+            res = ucxx_call_method1(fut, st->s_set_exception, exc);
             Py_DECREF(exc);
         }
         if (res == NULL) {
@@ -397,7 +397,7 @@ ucxx_request_with_buffer(WorkerObject *w, EndpointObject *ep, int kind,
     if (r == NULL) {
         return NULL;
     }
-    if (ucxx_buf_get(ucxx_state_of((PyObject *)w), buf, writable,
+    if (ucxx_buf_get(w->st, buf, writable,
                      &r->buf1) < 0) {
         Py_DECREF(r);
         return NULL;
@@ -746,7 +746,7 @@ Request_get_status(RequestObject *r, void *closure)
 static PyObject *
 Request_await(RequestObject *r)
 {
-    return Py_NewRef(r);
+    return Py_NewRef((PyObject *)r);
 }
 
 static PyObject *
@@ -764,7 +764,7 @@ Request_repr(RequestObject *r)
 static int
 Request_traverse(RequestObject *r, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(r));
+    Py_VISIT(Py_TYPE((PyObject *)r));
     Py_VISIT(r->worker);
     Py_VISIT(r->endpoint);
     Py_VISIT(r->result);
@@ -788,7 +788,7 @@ Request_clear(RequestObject *r)
 static void
 Request_dealloc(RequestObject *r)
 {
-    PyTypeObject *tp = Py_TYPE(r);
+    PyTypeObject *tp = Py_TYPE((PyObject *)r);
     PyObject *mod;
     ucxx_state *st;
 
@@ -809,9 +809,21 @@ Request_dealloc(RequestObject *r)
     Request_clear(r);
     Py_CLEAR(r->endpoint);
     Py_CLEAR(r->worker);
-    /* Through ht_module, which a type cleared at interpreter shutdown no
-     * longer has (PyType_GetModuleState would raise there). */
-    mod = ((PyHeapTypeObject *)tp)->ht_module;
+    /* A type cleared at interpreter shutdown has no module any more:
+     * PyType_GetModule raises there, and an exception already set when
+     * dealloc runs is kept. */
+    if (PyErr_Occurred() == NULL) {
+        mod = PyType_GetModule(tp);
+        if (mod == NULL) {
+            PyErr_Clear();
+        }
+    } else {
+        PyObject *exc = PyErr_GetRaisedException_compat();
+
+        mod = PyType_GetModule(tp);
+        PyErr_Clear();
+        PyErr_SetRaisedException_compat(exc);
+    }
     st = mod != NULL ? PyModule_GetState(mod) : NULL;
     if (st != NULL && tp == st->RequestType &&
         st->nreq_free < UCXX_REQ_FREELIST) {

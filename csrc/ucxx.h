@@ -29,6 +29,76 @@
 
 #define UCXX_TAG_MASK_FULL ((ucp_tag_t)-1)
 
+/* The extension is built against the limited API of 3.11 (one abi3
+ * wheel for 3.11 on).  What that API lacks, written with what it has:
+ * vectorcall entry points (stable only from 3.12), the one-argument call
+ * shortcuts, the GET/SET macros (their functions check the type; measured
+ * in docs/DECISIONS.md), Py_SETREF. */
+#ifndef Py_SETREF
+#define Py_SETREF(dst, src)                                                    \
+    do {                                                                       \
+        PyObject **_ucxx_p = (PyObject **)&(dst);                              \
+        PyObject *_ucxx_old = *_ucxx_p;                                        \
+        *_ucxx_p = (PyObject *)(src);                                          \
+        Py_DECREF(_ucxx_old);                                                  \
+    } while (0)
+#endif
+#ifndef Py_XSETREF
+#define Py_XSETREF(dst, src)                                                   \
+    do {                                                                       \
+        PyObject **_ucxx_p = (PyObject **)&(dst);                              \
+        PyObject *_ucxx_old = *_ucxx_p;                                        \
+        *_ucxx_p = (PyObject *)(src);                                          \
+        Py_XDECREF(_ucxx_old);                                                 \
+    } while (0)
+#endif
+
+static inline PyObject *
+ucxx_call1(PyObject *f, PyObject *arg)
+{
+    return PyObject_CallFunctionObjArgs(f, arg, NULL);
+}
+
+static inline PyObject *
+ucxx_call_method0(PyObject *obj, PyObject *name)
+{
+    return PyObject_CallMethodObjArgs(obj, name, NULL);
+}
+
+static inline PyObject *
+ucxx_call_method1(PyObject *obj, PyObject *name, PyObject *arg)
+{
+    return PyObject_CallMethodObjArgs(obj, name, arg, NULL);
+}
+
+/* PySequence_Fast_GET_* of a list or tuple (PySequence_Fast's result). */
+static inline Py_ssize_t
+ucxx_fast_size(PyObject *seq)
+{
+    return PyList_Check(seq) ? PyList_Size(seq) : PyTuple_Size(seq);
+}
+
+static inline PyObject *
+ucxx_fast_item(PyObject *seq, Py_ssize_t i)
+{
+    return PyList_Check(seq) ? PyList_GetItem(seq, i)
+                             : PyTuple_GetItem(seq, i);
+}
+
+/* The name of obj's type for an error message (the limited API has no
+ * tp_name): a new reference, NULL only when out of memory. */
+static inline PyObject *
+ucxx_type_name(PyObject *obj)
+{
+    PyObject *name = PyType_GetName(Py_TYPE(obj));
+
+    if (name == NULL) {
+        PyErr_Clear();
+        name = PyUnicode_FromString("?");
+    }
+    return name;
+}
+
 /* Python 3.11 has no PyErr_{Get,Set}RaisedException. */
 static inline PyObject *
 PyErr_GetRaisedException_compat(void)
@@ -60,7 +130,7 @@ PyErr_SetRaisedException_compat(PyObject *exc)
 static inline int
 PyGen_SetStopIterationValue_compat(PyObject *value)
 {
-    PyObject *e = PyObject_CallOneArg(PyExc_StopIteration, value);
+    PyObject *e = ucxx_call1(PyExc_StopIteration, value);
 
     if (e == NULL) {
         return -1;
@@ -122,7 +192,7 @@ typedef struct {
     PyObject *InvalidStateError;       /* strong: asyncio.InvalidStateError */
     PyObject *BaseEventLoop;           /* strong: asyncio.BaseEventLoop */
     PyObject *Future;                  /* strong: asyncio.Future */
-    PyObject *kw_loop;                 /* strong: ("loop",) */
+    PyObject *empty_tuple;             /* strong: () */
     /* interned method / attribute names */
     PyObject *s_create_future;
     PyObject *s_create_task;
@@ -199,6 +269,8 @@ typedef struct {
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     int ipv6;                    /* TCP_AF_PRIO puts inet6 first */
     PyObject *weakreflist;
+    int finalized;               /* tp_finalize has run (the GC's own mark
+                                    is not in the limited API) */
 } ContextObject;
 
 enum {
@@ -214,6 +286,10 @@ struct WorkerObject {
     PyObject_HEAD
     ucp_worker_h handle;         /* native, NULL once closed */
     ContextObject *context;      /* strong */
+    PyObject *module;            /* strong, to the end of dealloc: keeps st */
+    ucxx_state *st;              /* borrowed from module: its state, found
+                                    once (the limited API's lookup walks
+                                    the subclass chain) */
     int efd;                     /* owned by UCX; -1 without WAKEUP */
     int mode;                    /* UCXX_MODE_* */
     int armed;                   /* ucp_worker_arm succeeded, no UCX call since */
@@ -254,6 +330,8 @@ struct WorkerObject {
     PyObject *waiter;            /* strong: future the coroutine waits on */
     PyObject *rearm_cb;          /* strong: bound method _rearm (cycle via self,
                                     broken in clear) */
+    PyObject *future_kw;         /* strong: {"loop": loop} while
+                                    direct_future */
     int direct_future;           /* the loop's create_future is
                                     BaseEventLoop's: futures are made as
                                     asyncio.Future(loop=loop) directly */
@@ -284,6 +362,8 @@ struct WorkerObject {
     int am_registered;           /* AM handler installed */
     ucxx_link am_ready;          /* EndpointObject.alink: AM data to deliver */
     PyObject *weakreflist;
+    int finalized;               /* tp_finalize has run (the GC's own mark
+                                    is not in the limited API) */
 };
 
 /* One UCX operation inside a Request (a Request has 1; a gather has one
@@ -403,6 +483,8 @@ struct EndpointObject {
     void *am_raw;                /* malloc'd list of raw AM messages (am.c) */
     void *am_raw_tail;
     PyObject *weakreflist;
+    int finalized;               /* tp_finalize has run (the GC's own mark
+                                    is not in the limited API) */
 };
 
 /* Listener: wraps ucp_listener_h. */
@@ -429,6 +511,8 @@ typedef struct {
 extern volatile unsigned long ucxx_fork_generation;
 ucxx_state *ucxx_state_of(PyObject *obj);
 ucxx_state *ucxx_state_from_type(PyTypeObject *tp);
+PyObject *ucxx_module_from_type(PyTypeObject *tp);
+int ucxx_finalize_from_dealloc(PyObject *self, int *finalized);
 PyObject *ucxx_throw(PyObject *const *args, Py_ssize_t nargs);
 extern PyModuleDef ucxx_module_def;
 

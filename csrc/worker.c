@@ -15,7 +15,7 @@ int
 ucxx_worker_check(WorkerObject *w)
 {
     if (w->handle == NULL) {
-        ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+        ucxx_raise(w->st, UCXX_EXC_CLOSE,
                    "Worker is closed");
         return -1;
     }
@@ -43,7 +43,7 @@ int
 ucxx_check_family(WorkerObject *w, int family, const char *host)
 {
     if ((family == AF_INET6) != (w->context->ipv6 != 0)) {
-        ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CONFIG,
+        ucxx_raise(w->st, UCXX_EXC_CONFIG,
                    "address '%s' is IPv%c but UCX's tcp transport is set up "
                    "for IPv%c: set UCX_TCP_AF_PRIO=%s (or the option "
                    "TCP_AF_PRIO) to use it", host,
@@ -66,7 +66,7 @@ parse_mode(PyObject *mode_obj, int *mode)
         *mode = UCXX_MODE_BLOCKING;
         return 0;
     }
-    m = PyUnicode_Check(mode_obj) ? PyUnicode_AsUTF8(mode_obj) : NULL;
+    m = PyUnicode_Check(mode_obj) ? PyUnicode_AsUTF8AndSize(mode_obj, NULL) : NULL;
     if (m != NULL && strcmp(m, "blocking") == 0) {
         *mode = UCXX_MODE_BLOCKING;
     } else if (m != NULL && strcmp(m, "polling") == 0) {
@@ -161,10 +161,12 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (parse_mode(mode_obj, &mode) < 0) {
         return NULL;
     }
-    w = (WorkerObject *)type->tp_alloc(type, 0);
+    w = (WorkerObject *)((allocfunc)PyType_GetSlot(type, Py_tp_alloc))(type, 0);
     if (w == NULL) {
         return NULL;
     }
+    w->module = Py_NewRef(ucxx_module_from_type(type));
+    w->st = st;
     w->efd = -1;
     w->wake_fd = w->notify_fd = -1;
     w->mode = mode;
@@ -251,6 +253,7 @@ forget_forked(WorkerObject *w)
     w->handle = NULL;
     w->efd = -1;
     Py_CLEAR(w->loop);
+    Py_CLEAR(w->future_kw);
     Py_CLEAR(w->task);
     Py_CLEAR(w->coro);
     Py_CLEAR(w->waiter);
@@ -448,7 +451,7 @@ Worker_arm(WorkerObject *w, PyObject *unused)
         Py_RETURN_FALSE;
     }
     if (status != UCS_OK) {
-        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+        return ucxx_raise_status(w->st, status,
                                  "ucp_worker_arm");
     }
     Py_RETURN_TRUE;
@@ -463,12 +466,12 @@ Worker_signal(WorkerObject *w, PyObject *unused)
     ucs_status_t status;
 
     if (w->handle == NULL) {
-        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+        return ucxx_raise(w->st, UCXX_EXC_CLOSE,
                           "Worker is closed");
     }
     status = ucp_worker_signal(w->handle);
     if (status != UCS_OK) {
-        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+        return ucxx_raise_status(w->st, status,
                                  "ucp_worker_signal");
     }
     Py_RETURN_NONE;
@@ -510,7 +513,7 @@ static PyObject *
 Worker_start(WorkerObject *w, PyObject *loop)
 {
     if (w->handle == NULL) {
-        return ucxx_raise(ucxx_state_of((PyObject *)w), UCXX_EXC_CLOSE,
+        return ucxx_raise(w->st, UCXX_EXC_CLOSE,
                           "Worker is closed");
     }
     if (ucxx_worker_attach(w, loop) < 0) {
@@ -669,7 +672,7 @@ Worker_ep_from_address(WorkerObject *w, PyObject *args, PyObject *kw)
         return NULL;
     }
     if (ucxx_worker_check(w) < 0 ||
-        ucxx_address_check(ucxx_state_of((PyObject *)w), addr.buf,
+        ucxx_address_check(w->st, addr.buf,
                            addr.len) < 0) {
         PyBuffer_Release(&addr);
         return NULL;
@@ -866,7 +869,7 @@ Worker_get_address(WorkerObject *w, void *closure)
     status = ucp_worker_get_address(w->handle, &addr, &len);
     ucxx_unlock(w);
     if (status != UCS_OK) {
-        return ucxx_raise_status(ucxx_state_of((PyObject *)w), status,
+        return ucxx_raise_status(w->st, status,
                                  "ucp_worker_get_address");
     }
     b = PyBytes_FromStringAndSize((const char *)addr, (Py_ssize_t)len);
@@ -891,7 +894,7 @@ Worker_get_handle(WorkerObject *w, void *closure)
 static PyObject *
 Worker_get_context(WorkerObject *w, void *closure)
 {
-    return Py_NewRef(w->context);
+    return Py_NewRef((PyObject *)w->context);
 }
 
 static const char *const mode_names[] = {"blocking", "polling", "thread",
@@ -968,9 +971,11 @@ Worker_get_npending(WorkerObject *w, void *closure)
 static int
 Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
 {
-    Py_VISIT(Py_TYPE(w));
+    Py_VISIT(Py_TYPE((PyObject *)w));
     Py_VISIT(w->context);
+    Py_VISIT(w->module);
     Py_VISIT(w->loop);
+    Py_VISIT(w->future_kw);
     Py_VISIT(w->task);
     Py_VISIT(w->coro);
     Py_VISIT(w->waiter);
@@ -986,6 +991,7 @@ Worker_clear(WorkerObject *w)
     Py_CLEAR(w->coro);
     Py_CLEAR(w->waiter);
     Py_CLEAR(w->loop);
+    Py_CLEAR(w->future_kw);
     Py_CLEAR(w->rearm_cb);
     Py_CLEAR(w->am_allocators);
     return 0;
@@ -1012,9 +1018,10 @@ Worker_finalize(WorkerObject *w)
 static void
 Worker_dealloc(WorkerObject *w)
 {
-    PyTypeObject *tp = Py_TYPE(w);
+    PyTypeObject *tp = Py_TYPE((PyObject *)w);
+    PyObject *module;
 
-    if (PyObject_CallFinalizerFromDealloc((PyObject *)w) < 0) {
+    if (ucxx_finalize_from_dealloc((PyObject *)w, &w->finalized) < 0) {
         return;
     }
     PyObject_GC_UnTrack(w);
@@ -1025,8 +1032,10 @@ Worker_dealloc(WorkerObject *w)
     Worker_clear(w);
     Py_CLEAR(w->context);
     pthread_mutex_destroy(&w->lock);
-    tp->tp_free(w);
+    module = w->module;
+    ((freefunc)PyType_GetSlot(tp, Py_tp_free))(w);
     Py_DECREF(tp);
+    Py_XDECREF(module);
 }
 
 static PyObject *
