@@ -299,19 +299,14 @@ async def _idle_until_stop(ep, np, pending: bool, stop: asyncio.Event) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def _idle_server(args) -> None:
-    import numpy as np
-    import ucxx
-
-    _init(ucxx, args)
-    loop = asyncio.get_running_loop()
-    stop = _stdin_event(loop)
+async def _serve_one(ucxx, serve) -> None:
+    """Listen, report the port, run ``await serve(ep)`` for the one client,
+    then shut down."""
     done = asyncio.Event()
 
     async def handler(ep):
         try:
-            await _exchange(ep, np, args.messages, first=False)
-            await _idle_until_stop(ep, np, args.pending in ("server", "both"), stop)
+            await serve(ep)
         finally:
             done.set()
 
@@ -320,6 +315,20 @@ async def _idle_server(args) -> None:
     await done.wait()
     lf.close()
     ucxx.stop_notifier_thread()
+
+
+async def _idle_server(args) -> None:
+    import numpy as np
+    import ucxx
+
+    _init(ucxx, args)
+    stop = _stdin_event(asyncio.get_running_loop())
+
+    async def serve(ep):
+        await _exchange(ep, np, args.messages, first=False)
+        await _idle_until_stop(ep, np, args.pending in ("server", "both"), stop)
+
+    await _serve_one(ucxx, serve)
 
 
 async def _idle_client(args) -> None:
@@ -412,25 +421,17 @@ async def _echo(args) -> None:
     import ucxx
 
     _init(ucxx, args)
-    done = asyncio.Event()
 
-    async def handler(ep):
+    async def serve(ep):
         buf = np.zeros(args.n_bytes, dtype="u1")
-        try:
-            while True:
-                await ep.recv(buf)
-                if buf[0] == STOP:
-                    break
-                await ep.send(buf)
-            await ep.close()
-        finally:
-            done.set()
+        while True:
+            await ep.recv(buf)
+            if buf[0] == STOP:
+                break
+            await ep.send(buf)
+        await ep.close()
 
-    lf = ucxx.create_listener(handler)
-    print(f"PORT {lf.port}", flush=True)
-    await done.wait()
-    lf.close()
-    ucxx.stop_notifier_thread()
+    await _serve_one(ucxx, serve)
 
 
 async def _measure(args) -> None:
