@@ -261,15 +261,9 @@ ucxx_buf_get(ucxx_state *st, PyObject *obj, int writable, ucxx_buf *b)
     }
     if (cai == NULL) {
         if (!PyErr_Occurred()) {
-            PyObject *tn = ucxx_type_name(obj);
-
-            if (tn != NULL) {
-                PyErr_Format(PyExc_TypeError,
-                             "a bytes-like object or an object with "
-                             "__cuda_array_interface__ is required, not '%U'",
-                             tn);
-                Py_DECREF(tn);
-            }
+            ucxx_type_error("a bytes-like object or an object with "
+                            "__cuda_array_interface__ is required, not '%U'",
+                            obj);
         }
         return -1;
     }
@@ -294,13 +288,7 @@ ucxx_tag_from_obj(PyObject *obj, ucp_tag_t *tag)
     unsigned long long v;
 
     if (!PyLong_Check(obj)) {
-        PyObject *tn = ucxx_type_name(obj);
-
-        if (tn != NULL) {
-            PyErr_Format(PyExc_TypeError, "tag must be an int, not '%U'", tn);
-            Py_DECREF(tn);
-        }
-        return -1;
+        return ucxx_type_error("tag must be an int, not '%U'", obj);
     }
     v = PyLong_AsUnsignedLongLong(obj);
     if (v == (unsigned long long)-1 && PyErr_Occurred()) {

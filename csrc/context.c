@@ -69,14 +69,7 @@ ucxx_config_apply(ucxx_state *st, ucp_config_t *config, PyObject *opts,
         return 0;
     }
     if (!PyDict_Check(opts)) {
-        PyObject *tn = ucxx_type_name(opts);
-
-        if (tn != NULL) {
-            PyErr_Format(PyExc_TypeError, "options must be a dict, not '%U'",
-                         tn);
-            Py_DECREF(tn);
-        }
-        return -1;
+        return ucxx_type_error("options must be a dict, not '%U'", opts);
     }
     while (PyDict_Next(opts, &pos, &key, &value)) {
         const char *k, *v;

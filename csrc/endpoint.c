@@ -339,14 +339,8 @@ mix_name_tag(PyObject *obj, ucp_tag_t base, ucp_tag_t *tag)
         p = PyBytes_AsString(obj);
         n = PyBytes_Size(obj);
     } else {
-        PyObject *tn = ucxx_type_name(obj);
-
-        if (tn != NULL) {
-            PyErr_Format(PyExc_TypeError, "tag must be an int, str or bytes, "
-                         "not '%U'", tn);
-            Py_DECREF(tn);
-        }
-        return -1;
+        return ucxx_type_error("tag must be an int, str or bytes, not '%U'",
+                               obj);
     }
     for (Py_ssize_t i = 0; i < n; i++) {
         h = (h ^ (uint8_t)p[i]) * 0x100000001b3ULL;

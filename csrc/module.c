@@ -109,14 +109,8 @@ ucxx_throw(PyObject *const *args, Py_ssize_t nargs)
     } else if (PyExceptionClass_Check(typ)) {
         PyErr_SetObject(typ, val);
     } else {
-        PyObject *tn = ucxx_type_name(typ);
-
-        if (tn != NULL) {
-            PyErr_Format(PyExc_TypeError,
-                         "exceptions must be classes or instances deriving "
-                         "from BaseException, not %U", tn);
-            Py_DECREF(tn);
-        }
+        ucxx_type_error("exceptions must be classes or instances deriving "
+                        "from BaseException, not %U", typ);
         return NULL;
     }
     if (tb != NULL) {

@@ -806,25 +806,14 @@ Request_dealloc(RequestObject *r)
     PyMem_Free(r->pack);
     ucxx_list_del(&r->wlink);
     ucxx_list_del(&r->elink);
+    /* The free list is the module's: reached through the worker, which
+     * holds the module (no type lookup per message, and none at
+     * interpreter shutdown, where the type may have lost its module). */
+    mod = Py_NewRef(r->worker->module);
+    st = PyModule_GetState(mod);
     Request_clear(r);
     Py_CLEAR(r->endpoint);
     Py_CLEAR(r->worker);
-    /* A type cleared at interpreter shutdown has no module any more:
-     * PyType_GetModule raises there, and an exception already set when
-     * dealloc runs is kept. */
-    if (PyErr_Occurred() == NULL) {
-        mod = PyType_GetModule(tp);
-        if (mod == NULL) {
-            PyErr_Clear();
-        }
-    } else {
-        PyObject *exc = PyErr_GetRaisedException_compat();
-
-        mod = PyType_GetModule(tp);
-        PyErr_Clear();
-        PyErr_SetRaisedException_compat(exc);
-    }
-    st = mod != NULL ? PyModule_GetState(mod) : NULL;
     if (st != NULL && tp == st->RequestType &&
         st->nreq_free < UCXX_REQ_FREELIST) {
         r->next_done = st->req_free;
@@ -834,6 +823,7 @@ Request_dealloc(RequestObject *r)
         PyObject_GC_Del(r);
     }
     Py_DECREF(tp);
+    Py_DECREF(mod);     /* last: the module's teardown empties the free list */
 }
 
 /* Module teardown: free the Requests kept for reuse. */

@@ -85,18 +85,18 @@ ucxx_fast_item(PyObject *seq, Py_ssize_t i)
                              : PyTuple_GetItem(seq, i);
 }
 
-/* The name of obj's type for an error message (the limited API has no
- * tp_name): a new reference, NULL only when out of memory. */
-static inline PyObject *
-ucxx_type_name(PyObject *obj)
+/* Raise TypeError(fmt) with the name of obj's type for fmt's one %U (the
+ * limited API has no tp_name, and 3.11's PyErr_Format no %T).  -1. */
+static inline int
+ucxx_type_error(const char *fmt, PyObject *obj)
 {
     PyObject *name = PyType_GetName(Py_TYPE(obj));
 
-    if (name == NULL) {
-        PyErr_Clear();
-        name = PyUnicode_FromString("?");
+    if (name != NULL) {
+        PyErr_Format(PyExc_TypeError, fmt, name);
+        Py_DECREF(name);
     }
-    return name;
+    return -1;
 }
 
 /* Python 3.11 has no PyErr_{Get,Set}RaisedException. */

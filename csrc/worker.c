@@ -143,13 +143,18 @@ static PyObject *
 Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"context", "progress_mode", "spin_us", NULL};
-    ucxx_state *st = ucxx_state_from_type(type);
+    PyObject *mod = ucxx_module_from_type(type);
+    ucxx_state *st;
     PyObject *ctx, *mode_obj = Py_None, *spin = Py_None;
     ucp_worker_params_t params = {0};
     ucs_status_t status;
     WorkerObject *w;
     int mode;
 
+    if (mod == NULL) {
+        return NULL;
+    }
+    st = PyModule_GetState(mod);
     if (!PyArg_ParseTupleAndKeywords(args, kw, "O!|OO:Worker", kwlist,
                                      st->ContextType, &ctx, &mode_obj,
                                      &spin)) {
@@ -165,7 +170,7 @@ Worker_new(PyTypeObject *type, PyObject *args, PyObject *kw)
     if (w == NULL) {
         return NULL;
     }
-    w->module = Py_NewRef(ucxx_module_from_type(type));
+    w->module = Py_NewRef(mod);
     w->st = st;
     w->efd = -1;
     w->wake_fd = w->notify_fd = -1;
