@@ -118,10 +118,10 @@ def run_cli(package: str, python: str, mode: str, tls: str, nbytes: int, n_iter:
             warmup: int, args, min_s: float) -> dict:
     """One run of the CLI as a --server-only and a --client-only process."""
     env = core.package_env(package, tls, args.net_devices)
-    extra = []
+    extra = ["--reuse-alloc"] if getattr(args, "reuse_alloc", False) else []
     if package == "ours":
         env.update(args.ours_env)
-        extra = shlex.split(args.ours_args)
+        extra += shlex.split(args.ours_args)
     base = cli_command(python, mode, nbytes, n_iter, warmup, args.address, extra)
     s_aff = ["-b", str(args.cpus[0])] if args.cpus else []
     c_aff = ["-c", str(args.cpus[1])] if args.cpus else []
@@ -178,13 +178,15 @@ def perftest_path(ours_python: str) -> tuple[str, str]:
 
 
 def run_perftest(wait: str, tls: str, nbytes: int, n_iter: int, warmup: int, args,
-                 min_s: float) -> dict:
-    """One ``ucx_perftest -t tag_lat`` pair; ``wait`` is poll or sleep. A
-    server that cannot bind its port (taken between the choice and the
-    bind) is retried on another."""
+                 min_s: float, test: str = "tag_lat", ucx: dict | None = None) -> dict:
+    """One ``ucx_perftest -t TEST`` pair (tag_lat: one-way latency; tag_bw:
+    time per message of a stream); ``wait`` is poll or sleep; ``ucx``: more
+    UCX options ({"RNDV_THRESH": ...}). A server that cannot bind its port
+    (taken between the choice and the bind) is retried on another."""
     for _ in range(5):
         try:
-            return _perftest_once(wait, tls, nbytes, n_iter, warmup, args, min_s)
+            return _perftest_once(wait, tls, nbytes, n_iter, warmup, args, min_s, test,
+                                  ucx or {})
         except _PortTaken:
             continue
     raise core.BenchError("ucx_perftest: no free port after 5 attempts")
@@ -195,9 +197,10 @@ class _PortTaken(Exception):
 
 
 def _perftest_once(wait: str, tls: str, nbytes: int, n_iter: int, warmup: int, args,
-                   min_s: float) -> dict:
+                   min_s: float, test: str, ucx: dict) -> dict:
     env = dict(os.environ)
     env.pop("UCX_MM_ERROR_HANDLING", None)
+    env.update({f"UCX_{k}": str(v) for k, v in ucx.items()})
     env.update(core.ucx_env(tls))
     if args.net_devices:
         env["UCX_NET_DEVICES"] = args.net_devices
@@ -216,7 +219,7 @@ def _perftest_once(wait: str, tls: str, nbytes: int, n_iter: int, warmup: int, a
                 raise core.BenchError("ucx_perftest server did not listen:\n" + text)
             time.sleep(0.01)
         i_c, c_out, c_err, rc = pair.start(
-            [args.perftest, args.address, "-p", str(port), "-t", "tag_lat", "-s", str(nbytes),
+            [args.perftest, args.address, "-p", str(port), "-t", test, "-s", str(nbytes),
              "-n", str(n_iter), "-w", str(warmup), "-E", wait, "-e"]
             + (["-c", str(args.cpus[1])] if args.cpus else []))
         pair.finish()
@@ -226,9 +229,11 @@ def _perftest_once(wait: str, tls: str, nbytes: int, n_iter: int, warmup: int, a
             raise core.BenchError(f"ucx_perftest failed (client {rc.status}, server "
                                   f"{rs.status}):\n" + text[-800:] + c_err.text()[-800:])
         out = {"median_ns": float(m.group(2)) * 1e3, "average_ns": float(m.group(3)) * 1e3}
-        # its stdout is block-buffered: the report arrives when it exits
-        out.update(cpu_fields(pair.smp, i_s, i_c, c_out.time_of(r"^Final:"),
-                              out["average_ns"], n_iter, min_s))
+        if test == "tag_bw":  # a stream: its median is the time to post one send
+            out["median_ns"] = out["average_ns"]
+        else:  # its stdout is block-buffered: the report arrives when it exits
+            out.update(cpu_fields(pair.smp, i_s, i_c, c_out.time_of(r"^Final:"),
+                                  out["average_ns"], n_iter, min_s))
         out.update(server_total_cpu_s=rs.cpu_s, client_total_cpu_s=rc.cpu_s,
                    wall_s=time.monotonic() - pair.t0)
         return out
@@ -1150,6 +1155,8 @@ def make_parser(prog: str = "python benchmarks/vs_rapids.py") -> argparse.Argume
     p.add_argument("--modes", default=",".join(core.MODES))
     p.add_argument("--rounds", type=int, default=None, help="rounds (default 3, quick 1)")
     p.add_argument("-n", "--n-bytes", type=int, default=1, help="message size (default 1)")
+    p.add_argument("--reuse-alloc", action="store_true",
+                   help="pass --reuse-alloc to both CLIs (one buffer for all iterations)")
     p.add_argument("--n-iter", type=int, default=None,
                    help="round trips per run (default 20000, quick 2000)")
     p.add_argument("--n-warmup-iter", type=int, default=10,

@@ -147,3 +147,57 @@ def test_idle_part_without_rapids_printed(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     assert "RAPIDS parts skipped: RAPIDS ucxx not found" in r.stdout
     assert "| tcp | blocking | – | 0.0" in r.stdout
+
+
+@pytest.mark.timeout(300)
+def test_size_sweep_tiny_run(tmp_path):
+    """``anchors.py``: the sweep at its smallest, every kind of run once
+    (ucx_perftest tag_lat and tag_bw with the package's options, ours and
+    RAPIDS' CLI with and without --reuse-alloc), then its section."""
+    md, js = tmp_path / "B.md", tmp_path / "s.json"
+    proc = _run("anchors.py", "--sizes", "1K", "--tls", "tcp", "--modes", "blocking",
+                "--rounds", "1", "--target-s", "0.01", "--no-plots", "--output", str(md),
+                "--json-output", str(js), timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(js.read_text())
+    assert data["config"]["ucx"]["RNDV_THRESH"].startswith("intra:")
+    assert all("error" not in r for r in data["runs"]), [r.get("error") for r in data["runs"]]
+    pkgs = 2 if HAVE_RAPIDS else 1
+    assert len(data["runs"]) == 2 + 2 * pkgs
+    raw = data["summary"]["raw"]["tcp|1024"]
+    assert raw["tag_lat_ns"] > 0 and raw["tag_bw_ns"] > 0
+    for reuse in ("reuse", "alloc"):
+        c = data["summary"]["cells"][f"tcp|1024|{reuse}|blocking"]
+        assert c["ours_ns"] > 0 and c["vs_raw_lat"]["n"] == 1
+        assert (c["vs_rapids"] is not None) == HAVE_RAPIDS
+    text = md.read_text()
+    assert "## The size sweep" in text and "| 1 KiB | reuse | blocking |" in text
+    assert "### Targets" in text
+
+
+def test_size_sweep_verdicts():
+    """The sweep's targets from made-up runs: a cell where RAPIDS is faster,
+    blocking against polling, polling against raw UCX."""
+    import anchors
+
+    runs = []
+    for rnd in range(3):
+        base = {"round": rnd, "tls": "shm", "nbytes": 1 << 20}
+        runs += [dict(base, variant="tag_lat", median_ns=100e3),
+                 dict(base, variant="tag_bw", median_ns=80e3)]
+        for mode, ours, rapids in (("blocking", 150e3, 140e3), ("polling", 110e3, 150e3)):
+            runs += [dict(base, variant="ours", mode=mode, reuse=True, median_ns=ours),
+                     dict(base, variant="rapids", mode=mode, reuse=True, median_ns=rapids)]
+    runs.append({"round": 0, "tls": "shm", "nbytes": 1 << 20, "variant": "ours",
+                 "mode": "polling", "reuse": True, "error": "timed out"})
+    s = anchors.summarise(runs)
+    c = s["cells"]["shm|1048576|reuse|blocking"]
+    assert c["vs_rapids"]["median"] == pytest.approx(150 / 140)
+    assert c["vs_polling"]["median"] == pytest.approx(110 / 150)
+    assert s["cells"]["shm|1048576|reuse|polling"]["failed"] == 1
+    v = anchors.verdicts(s)
+    assert v[0].startswith("ours / RAPIDS ≤ 1.0 in every cell: 1 of 2; above: shared memory "
+                           "1 MiB blocking") and v[0].endswith("missed")
+    assert any("polling: ours ≥ 0.8× raw tag_lat bandwidth: 0.91" in x and x.endswith("met")
+               for x in v), v
+    assert any("blocking ≥ 0.9× ours polling: 0.73: missed" in x for x in v), v
