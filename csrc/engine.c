@@ -220,6 +220,42 @@ ucxx_worker_service(WorkerObject *w, int drained)
 
 /* ---- the readers the loop runs ----------------------------------------- */
 
+/* The fd reader, a large transfer in flight and the worker drained: go on
+ * progressing (its next pieces are on their way) until something
+ * completes, UCXX_FOLLOW_IDLE_US pass without an event, or the slice is
+ * spent.  1 if it dispatched and queued _rearm (the loop gets its turn,
+ * then the drain and arm); 0 if it went idle: arm as usual. */
+static int
+follow_from_reader(WorkerObject *w)
+{
+    double start = w->dispatched_at, now = start, last = start;
+    unsigned i = 0;
+
+    w->follows++;
+    for (;;) {
+        if (ucp_worker_progress(w->handle) != 0) {
+            last = 0.0;         /* stamped at the next clock reading */
+            if (has_work(w)) {
+                break;
+            }
+        }
+        if ((++i & 7) == 0) {
+            now = ucxx_now_us();
+            if (last == 0.0) {
+                last = now;
+            } else if (now - last >= UCXX_FOLLOW_IDLE_US) {
+                return 0;
+            }
+            if (now - start >= UCXX_SLICE_US) {
+                break;
+            }
+        }
+    }
+    ucxx_worker_dispatch(w);
+    schedule_rearm(w);
+    return 1;
+}
+
 PyObject *
 ucxx_worker_on_efd(WorkerObject *w, PyObject *unused)
 {
@@ -242,6 +278,9 @@ ucxx_worker_on_efd(WorkerObject *w, PyObject *unused)
             schedule_rearm(w);
             Py_RETURN_NONE;
         }
+    }
+    if (w->large_pending > 0 && !UCXX_THREADED(w) && follow_from_reader(w)) {
+        Py_RETURN_NONE;
     }
     /* Dispatching may have called UCX: drain once more before the arm. */
     if (ucxx_worker_service(w, ucxx_worker_dispatch(w) == 0) < 0) {
@@ -577,6 +616,63 @@ ucxx_busy_step(RequestObject *r, int resumed)
     }
     return w->loop_busy && w->handle != NULL ? UCXX_SPIN_YIELD
                                              : UCXX_SPIN_SLEEP;
+}
+
+/*
+ * The first await of a large request r (blocking and polling mode): progress
+ * while its pieces move, as follow_from_reader does: UCXX_SPIN_DONE if r
+ * completed, UCXX_SPIN_YIELD if the slice is spent (the loop gets one turn,
+ * then the await streams on), UCXX_SPIN_SLEEP once UCXX_FOLLOW_IDLE_US
+ * passed without an event or the progress woke another task.
+ */
+int
+ucxx_follow(RequestObject *r)
+{
+    WorkerObject *w = r->worker;
+    unsigned long wakeups = w->wakeups;
+    double now, last, slice_end;
+    unsigned i = 0;
+
+    if (w->handle == NULL) {
+        return UCXX_SPIN_SLEEP;
+    }
+    now = last = ucxx_now_us();
+    if (w->slice_start == 0.0) {
+        w->slice_start = now;
+    }
+    slice_end = w->slice_start + UCXX_SLICE_US;
+    if (now >= slice_end) {
+        return UCXX_SPIN_YIELD;
+    }
+    w->follows++;
+    ucxx_worker_touched(w);
+    for (;;) {
+        if (ucp_worker_progress(w->handle) != 0) {
+            last = 0.0;
+            if (has_work(w)) {
+                ucxx_lock(w);
+                ucxx_worker_dispatch(w);
+                ucxx_unlock(w);
+                if (r->status != UCS_INPROGRESS) {
+                    return UCXX_SPIN_DONE;
+                }
+                if (w->wakeups != wakeups) {
+                    return UCXX_SPIN_SLEEP;
+                }
+            }
+        }
+        if ((++i & 7) == 0) {
+            now = ucxx_now_us();
+            if (last == 0.0) {
+                last = now;
+            } else if (now - last >= UCXX_FOLLOW_IDLE_US) {
+                return UCXX_SPIN_SLEEP;
+            }
+            if (now >= slice_end) {
+                return UCXX_SPIN_YIELD;
+            }
+        }
+    }
 }
 
 /*
