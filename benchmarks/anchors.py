@@ -10,7 +10,7 @@ Per round, transport and size: raw ``ucx_perftest`` (``-t tag_lat`` and
 mode, RAPIDS' own command ``python -m ucxx.benchmarks.send_recv -n SIZE
 --backend ucxx-async --progress-mode MODE`` with RAPIDS' interpreter and
 with ours, back to back, their order reversed every other round (the
-runners of ``vs_rapids.py``). Iterations per size keep a run near
+runners of ``core.py``). Iterations per size keep a run near
 ``--target-s`` seconds. Ratios are taken per round, then their median.
 CPU per round trip (user + sys of both processes, sampled over the timed
 loop) where the timed loop lasts ``--cpu-min-s`` or more.
@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import sys
 import time
 from pathlib import Path
 
 import core
-import vs_rapids
 
 DOCS = core.DOCS
 SIZES = "1,1K,64K,1M,8M,64M"
@@ -91,7 +89,7 @@ def run(args, packages: list[str]) -> list[dict]:
                     for test in core.in_order(("tag_lat", "tag_bw"), rnd):
                         rec = {"round": rnd, "tls": tls, "nbytes": nbytes, "variant": test,
                                "what": f"ucx_perftest {test}", "n_iter": n}
-                        record(rec, lambda: vs_rapids.run_perftest(
+                        record(rec, lambda: core.run_perftest(
                             "poll", tls, nbytes, n, args.n_warmup_iter, args, args.cpu_min_s,
                             test, args.ucx))
                 for reuse in args.reuse:
@@ -101,7 +99,7 @@ def run(args, packages: list[str]) -> list[dict]:
                             rec = {"round": rnd, "tls": tls, "nbytes": nbytes, "variant": pkg,
                                    "mode": mode, "reuse": reuse, "n_iter": n,
                                    "what": f"{pkg} {mode}{' reuse' if reuse else ''}"}
-                            record(rec, lambda: vs_rapids.run_cli(
+                            record(rec, lambda: core.run_cli(
                                 pkg, args.python[pkg], mode, tls, nbytes, n,
                                 args.n_warmup_iter, args, args.cpu_min_s))
     return runs
@@ -357,7 +355,7 @@ def main(argv=None, prog: str = "python benchmarks/anchors.py") -> int:
                                   if args.rapids else "--no-rapids")
         print(f"RAPIDS skipped: {data['rapids_skipped']}", flush=True)
     if args.raw:
-        args.perftest, args.perftest_lib = vs_rapids.perftest_path(args.ours_python)
+        args.perftest, args.perftest_lib = core.perftest_path(args.ours_python)
     data["runs"] = run(args, packages)
     data["summary"] = summarise(data["runs"])
     data["load_end"] = core.loadavg()

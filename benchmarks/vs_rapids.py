@@ -41,7 +41,6 @@ import json
 import os
 import re
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -70,180 +69,13 @@ TARGET_LATE_P99_MS = 1.0
 CPU_TARGET = 1.5
 CPU_MAX_ITER = 5_000_000
 
-_LAT_RE = {k: re.compile(rf"Latency \({k}\)\s*\|\s*([0-9.]+)\s*(ns|us|µs|ms|s)\b")
-           for k in ("median", "average")}
-_UNIT = {"ns": 1.0, "us": 1e3, "µs": 1e3, "ms": 1e6, "s": 1e9}
-
-
-# ---------------------------------------------------------------- runners
-def cli_command(python: str, mode: str, nbytes: int, n_iter: int, warmup: int,
-                address: str, extra: list[str]) -> list[str]:
-    return [python, "-m", "ucxx.benchmarks.send_recv", "-n", str(nbytes),
-            "--n-iter", str(n_iter), "--n-warmup-iter", str(warmup),
-            "--backend", "ucxx-async", "--progress-mode", mode, "-s", address,
-            "--no-detailed-report", *extra]
-
-
-def parse_latency(text: str) -> dict:
-    out = {}
-    for k, rx in _LAT_RE.items():
-        m = rx.search(text)
-        if m:
-            out[f"{k}_ns"] = float(m.group(1)) * _UNIT[m.group(2)]
-    if "median_ns" not in out:
-        raise core.BenchError("no 'Latency (median)' line in the client's output:\n"
-                             + text[-1500:])
-    return out
-
-
-def cpu_fields(smp: core.CpuSampler, i_s: int, i_c: int, t_report: float | None,
-               average_ns: float | None, n_iter: int, min_s: float) -> dict:
-    """CPU per round trip of the server and client processes from their
-    sampled CPU rates in the middle of the timed loop."""
-    if t_report is None or not average_ns:
-        return {}
-    timed = 2 * n_iter * average_ns / 1e9
-    out: dict = {"timed_s": timed}
-    a, b = t_report - timed, t_report
-    rs, rc = smp.rate(i_s, a, b), smp.rate(i_c, a, b)
-    if timed >= min_s and rs and rc and min(rs[1], rc[1]) > 0:
-        rt = timed / n_iter
-        out.update(server_cpu_rate=rs[0], client_cpu_rate=rc[0],
-                   cpu_window_s=min(rs[1], rc[1]),
-                   server_cpu_us=rs[0] * rt * 1e6, client_cpu_us=rc[0] * rt * 1e6)
-    return out
-
-
-def run_cli(package: str, python: str, mode: str, tls: str, nbytes: int, n_iter: int,
-            warmup: int, args, min_s: float) -> dict:
-    """One run of the CLI as a --server-only and a --client-only process."""
-    env = core.package_env(package, tls, args.net_devices)
-    extra = ["--reuse-alloc"] if getattr(args, "reuse_alloc", False) else []
-    if package == "ours":
-        env.update(args.ours_env)
-        extra += shlex.split(args.ours_args)
-    base = cli_command(python, mode, nbytes, n_iter, warmup, args.address, extra)
-    s_aff = ["-b", str(args.cpus[0])] if args.cpus else []
-    c_aff = ["-c", str(args.cpus[1])] if args.cpus else []
-    with core.Pair(env, args.timeout) as pair:
-        i_s, s_out, s_err, rs = pair.start(base + ["--server-only", *s_aff])
-        m = s_out.wait_for(r"Server Running at \S*:(\d+)", args.timeout)
-        if m is None:
-            raise core.BenchError("the server printed no port:\n" + s_err.text()[-2000:])
-        i_c, c_out, c_err, rc = pair.start(base + ["--client-only", "-p", m.group(1), *c_aff])
-        pair.finish()
-        if rc.status != 0 or rs.status != 0:
-            raise core.BenchError(f"exit codes client {rc.status}, server {rs.status}:\n"
-                                  + c_err.text()[-1500:] + s_err.text()[-1500:])
-        out = parse_latency(c_out.text())
-        out.update(cpu_fields(pair.smp, i_s, i_c, c_out.time_of(r"^Roundtrip benchmark"),
-                              out.get("average_ns"), n_iter, min_s))
-        out.update(server_total_cpu_s=rs.cpu_s, client_total_cpu_s=rc.cpu_s,
-                   wall_s=time.monotonic() - pair.t0)
-        return out
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
-
-
-def _listening(port: int) -> bool:
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(name) as f:
-                next(f)
-                for line in f:
-                    fields = line.split()
-                    if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                        return True
-        except OSError:
-            pass
-    return False
-
-
-def perftest_path(ours_python: str) -> tuple[str, str]:
-    """(ucx_perftest, its lib/ directory) from ours' libucx wheel."""
-    import subprocess
-
-    r = subprocess.run([ours_python, "-c",
-                        "import libucx, os; print(os.path.dirname(libucx.__file__))"],
-                       capture_output=True, text=True, env=core.package_env("ours", None),
-                       cwd=core.scratch_dir(), timeout=60)
-    if r.returncode != 0:
-        raise core.BenchError("libucx wheel not found: " + r.stderr.strip()[-300:])
-    d = r.stdout.strip()
-    return os.path.join(d, "bin", "ucx_perftest"), os.path.join(d, "lib")
-
-
-def run_perftest(wait: str, tls: str, nbytes: int, n_iter: int, warmup: int, args,
-                 min_s: float, test: str = "tag_lat", ucx: dict | None = None) -> dict:
-    """One ``ucx_perftest -t TEST`` pair (tag_lat: one-way latency; tag_bw:
-    time per message of a stream); ``wait`` is poll or sleep; ``ucx``: more
-    UCX options ({"RNDV_THRESH": ...}). A server that cannot bind its port
-    (taken between the choice and the bind) is retried on another."""
-    for _ in range(5):
-        try:
-            return _perftest_once(wait, tls, nbytes, n_iter, warmup, args, min_s, test,
-                                  ucx or {})
-        except _PortTaken:
-            continue
-    raise core.BenchError("ucx_perftest: no free port after 5 attempts")
-
-
-class _PortTaken(Exception):
-    pass
-
-
-def _perftest_once(wait: str, tls: str, nbytes: int, n_iter: int, warmup: int, args,
-                   min_s: float, test: str, ucx: dict) -> dict:
-    env = dict(os.environ)
-    env.pop("UCX_MM_ERROR_HANDLING", None)
-    env.update({f"UCX_{k}": str(v) for k, v in ucx.items()})
-    env.update(core.ucx_env(tls))
-    if args.net_devices:
-        env["UCX_NET_DEVICES"] = args.net_devices
-    env["LD_LIBRARY_PATH"] = args.perftest_lib + (
-        os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
-    port = _free_port(args.address)
-    with core.Pair(env, args.timeout) as pair:
-        i_s, s_out, s_err, rs = pair.start(
-            [args.perftest, "-p", str(port)] + (["-c", str(args.cpus[0])] if args.cpus else []))
-        deadline = time.monotonic() + 20
-        while not _listening(port):
-            if rs.status is not None or time.monotonic() > deadline:
-                text = s_out.text(0.5)[-800:] + s_err.text(0.5)[-800:]
-                if "Address already in use" in text:
-                    raise _PortTaken()
-                raise core.BenchError("ucx_perftest server did not listen:\n" + text)
-            time.sleep(0.01)
-        i_c, c_out, c_err, rc = pair.start(
-            [args.perftest, args.address, "-p", str(port), "-t", test, "-s", str(nbytes),
-             "-n", str(n_iter), "-w", str(warmup), "-E", wait, "-e"]
-            + (["-c", str(args.cpus[1])] if args.cpus else []))
-        pair.finish()
-        text = c_out.text()
-        m = re.search(r"^Final:\s+(\d+)\s+([0-9.]+)\s+([0-9.]+)", text, re.MULTILINE)
-        if rc.status != 0 or rs.status != 0 or m is None:
-            raise core.BenchError(f"ucx_perftest failed (client {rc.status}, server "
-                                  f"{rs.status}):\n" + text[-800:] + c_err.text()[-800:])
-        out = {"median_ns": float(m.group(2)) * 1e3, "average_ns": float(m.group(3)) * 1e3}
-        if test == "tag_bw":  # a stream: its median is the time to post one send
-            out["median_ns"] = out["average_ns"]
-        else:  # its stdout is block-buffered: the report arrives when it exits
-            out.update(cpu_fields(pair.smp, i_s, i_c, c_out.time_of(r"^Final:"),
-                                  out["average_ns"], n_iter, min_s))
-        out.update(server_total_cpu_s=rs.cpu_s, client_total_cpu_s=rc.cpu_s,
-                   wall_s=time.monotonic() - pair.t0)
-        return out
 
 
 def run_variant(v: str, mode: str, tls: str, n_iter: int, args, min_s: float) -> dict:
     if v.startswith("raw-"):
-        return run_perftest(v[4:], tls, args.n_bytes, n_iter, args.n_warmup_iter, args,
+        return core.run_perftest(v[4:], tls, args.n_bytes, n_iter, args.n_warmup_iter, args,
                             min_s)
-    return run_cli(v, args.python[v], mode, tls, args.n_bytes, n_iter, args.n_warmup_iter,
+    return core.run_cli(v, args.python[v], mode, tls, args.n_bytes, n_iter, args.n_warmup_iter,
                    args, min_s)
 
 
@@ -982,13 +814,8 @@ def render(data: dict) -> str:
 
 
 def plot(data: dict, outdir: Path) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plots", flush=True)
+    plt = core.pyplot()
+    if plt is None:
         return []
     cfg, s = data["config"], data.get("summary", {})
     colors = {"rapids": "tab:gray", "ours": "tab:blue", "raw-poll": "tab:orange",
@@ -1326,7 +1153,7 @@ def main(argv=None, prog: str = "python benchmarks/vs_rapids.py") -> int:
         args.perftest, args.perftest_lib = (
             (args.perftest, os.path.join(os.path.dirname(os.path.dirname(args.perftest)),
                                          "lib")) if args.perftest
-            else perftest_path(args.ours_python))
+            else core.perftest_path(args.ours_python))
         data["config"]["perftest"] = args.perftest
         variants += ["raw-poll", "raw-sleep"]
     print(f"anchors: {command}\n  parts {', '.join(parts)}; transports {', '.join(args.tls)}; "

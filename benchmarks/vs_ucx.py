@@ -1180,13 +1180,8 @@ def _render_callgrind(cg: dict) -> str:
 
 
 def plot(data: dict, outdir: Path = DOCS) -> list[str]:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib): no plots", flush=True)
+    plt = core.pyplot()
+    if plt is None:
         return []
     cfg, summary = data["config"], data["summary"]
     sizes = cfg["sizes"]
