@@ -141,8 +141,9 @@ def summarise(runs: list[dict]) -> dict:
                     "vs_raw_lat": core.ratio([lat[k] / ours[k] for k in ours if k in lat]),
                     "vs_raw_bw": core.ratio([bw[k] / ours[k] for k in ours if k in bw]),
                     "ours_cpu_us": core.median(cpu), "rapids_cpu_us": core.median(rcpu),
-                    "failed": sum(1 for r in runs if "error" in r and r.get("mode") == mode
-                                  and all(r.get(k) == v for k, v in sel.items()))}
+                    **{f"{v}_failed": sum(1 for r in runs if "error" in r and r["variant"] == v
+                                          and all(r.get(k) == x for k, x in sel.items()))
+                       for v in PACKAGES}}
             for reuse in (True, False):
                 b = out["cells"].get(key(tls, nbytes, reuse, "blocking"))
                 p = out["cells"].get(key(tls, nbytes, reuse, "polling"))
@@ -190,6 +191,15 @@ def verdicts(summary: dict) -> list[str]:
     return lines
 
 
+def _time(c: dict, v: str) -> str:
+    """A cell's median, with the runs that failed (RAPIDS' CLI fails some
+    64 MiB tcp runs: "Connection reset by remote peer" at its end)."""
+    n = c.get(f"{v}_failed", 0)
+    if c[f"{v}_ns"] is None:
+        return f"failed ×{n}" if n else "–"
+    return core.fmt_us(c[f"{v}_ns"]) + (f" ({n} failed)" if n else "")
+
+
 def render(data: dict) -> str:
     cfg, s = data["config"], data["summary"]
     L = ["## The size sweep: against RAPIDS ucxx and raw UCX", ""]
@@ -221,7 +231,7 @@ def render(data: dict) -> str:
                 continue
             raw = s["raw"].get(f"{tls}|{c['nbytes']}", {})
             L.append(f"| {core.size_label(c['nbytes'])} | {'reuse' if c['reuse'] else 'new'} | "
-                     f"{c['mode']} | {core.fmt_us(c['rapids_ns'])} | {core.fmt_us(c['ours_ns'])}"
+                     f"{c['mode']} | {_time(c, 'rapids')} | {_time(c, 'ours')}"
                      f" | {core.fmt_range(c['vs_rapids'])} | "
                      f"{core.fmt_us(c['rapids_cpu_us'] and c['rapids_cpu_us'] * 1e3)} | "
                      f"{core.fmt_us(c['ours_cpu_us'] and c['ours_cpu_us'] * 1e3)} | "

@@ -580,7 +580,7 @@ int ucxx_address_check(ucxx_state *st, const uint8_t *a, Py_ssize_t len);
  * without an event, or the time slice is spent, instead of sleeping on
  * the fd between pieces. */
 #define UCXX_FOLLOW_MIN (64 * 1024)
-#define UCXX_FOLLOW_IDLE_US 50.0
+#define UCXX_FOLLOW_IDLE_US 500.0
 enum { UCXX_SPIN_DONE, UCXX_SPIN_SLEEP, UCXX_SPIN_YIELD };
 void ucxx_worker_touched(WorkerObject *w);
 int ucxx_worker_dispatch(WorkerObject *w);

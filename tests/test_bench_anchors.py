@@ -79,6 +79,7 @@ def test_anchors_tiny_run(tmp_path):
     for r in fr:
         assert r["ticks"] > 0 and r["round_trips"] > 0 and r["rt_per_s"] > 0
         assert 0 <= r["late_ms"]["p50"] <= r["late_ms"]["p99"] <= r["late_ms"]["max"]
+        assert r["cpu_late_ms"]["p50"] <= r["cpu_late_ms"]["p99"] < 1e3
 
     text = md.read_text()
     assert text.startswith("# Title\n\nkept before\n")
@@ -194,7 +195,8 @@ def test_size_sweep_verdicts():
     c = s["cells"]["shm|1048576|reuse|blocking"]
     assert c["vs_rapids"]["median"] == pytest.approx(150 / 140)
     assert c["vs_polling"]["median"] == pytest.approx(110 / 150)
-    assert s["cells"]["shm|1048576|reuse|polling"]["failed"] == 1
+    assert s["cells"]["shm|1048576|reuse|polling"]["ours_failed"] == 1
+    assert anchors._time(s["cells"]["shm|1048576|reuse|polling"], "ours") == "110 (1 failed)"
     v = anchors.verdicts(s)
     assert v[0].startswith("ours / RAPIDS ≤ 1.0 in every cell: 1 of 2; above: shared memory "
                            "1 MiB blocking") and v[0].endswith("missed")
