@@ -296,7 +296,7 @@ async def _measure(args) -> None:
             await asyncio.sleep(tick)
             now = clock()
             late.append(now - deadline)
-            cpu_late.append(time.thread_time() - cpu - tick)
+            cpu_late.append(max(0.0, time.thread_time() - cpu - tick))
             if now >= end:
                 return
 
