@@ -352,18 +352,7 @@ def main(argv=None, prog: str = "python benchmarks/anchors.py") -> int:
                              "target_s": args.target_s, "cpu_min_s": args.cpu_min_s,
                              "ucx": args.ucx, "ours_env": args.ours_env,
                              "ours_args": args.ours_args}}
-    args.python = {"ours": args.ours_python}
-    packages = ["ours"]
-    data["packages"]["ours"] = core.package_info("ours", args.ours_python)
-    rp = core.rapids_python(args.rapids_python) if args.rapids else None
-    if rp:
-        args.python["rapids"] = rp
-        data["packages"]["rapids"] = core.package_info("rapids", rp)
-        packages.append("rapids")
-    else:
-        data["rapids_skipped"] = (core.missing_rapids_message(args.rapids_python)
-                                  if args.rapids else "--no-rapids")
-        print(f"RAPIDS skipped: {data['rapids_skipped']}", flush=True)
+    packages = core.packages_for(args, data, "RAPIDS")
     if args.raw:
         args.perftest, args.perftest_lib = core.perftest_path(args.ours_python)
     data["runs"] = run(args, packages)

@@ -651,6 +651,23 @@ print(json.dumps({"ucxx_file": ucxx.__file__, "package": ver("ucxx-cu12", "ucxx-
 """
 
 
+def packages_for(args, data: dict, what: str = "RAPIDS parts") -> list[str]:
+    """["ours"] and, where its interpreter is found and ``args.rapids``,
+    "rapids": sets ``args.python`` and ``data["packages"]``; otherwise
+    records and prints why RAPIDS is left out."""
+    args.python = {"ours": args.ours_python}
+    data["packages"]["ours"] = package_info("ours", args.ours_python)
+    rp = rapids_python(args.rapids_python) if args.rapids else None
+    if rp:
+        args.python["rapids"] = rp
+        data["packages"]["rapids"] = package_info("rapids", rp)
+        return ["ours", "rapids"]
+    why = missing_rapids_message(args.rapids_python) if args.rapids else "--no-rapids"
+    data["rapids_skipped"] = why
+    print(f"{what} skipped: {why}", flush=True)
+    return ["ours"]
+
+
 def package_info(package: str, python: str) -> dict:
     """Which ``ucxx`` the interpreter imports, its UCX and wheel versions;
     BenchError if RAPIDS' interpreter imports this checkout's package."""

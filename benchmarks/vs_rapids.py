@@ -1145,19 +1145,7 @@ def main(argv=None, prog: str = "python benchmarks/vs_rapids.py") -> int:
                              "fairness_duration": args.fairness_duration,
                              "fairness_spin": args.fairness_spin,
                              "fairness_tls": args.fairness_tls, "note": args.note}}
-    packages = ["ours"]
-    args.python = {"ours": args.ours_python}
-    data["packages"]["ours"] = core.package_info("ours", args.ours_python)
-    rp = core.rapids_python(args.rapids_python) if args.rapids else None
-    if rp:
-        args.python["rapids"] = rp
-        data["packages"]["rapids"] = core.package_info("rapids", rp)
-        packages.append("rapids")
-    else:
-        why = (core.missing_rapids_message(args.rapids_python) if args.rapids
-               else "--no-rapids")
-        data["rapids_skipped"] = why
-        print(f"RAPIDS parts skipped: {why}", flush=True)
+    packages = core.packages_for(args, data)
     for pkg in packages:
         i = data["packages"][pkg]
         print(f"{pkg}: {i['package'] or 'ucxx'} from {i['ucxx_file']}, UCX {i['ucx_runtime']} "
