@@ -323,9 +323,6 @@ struct WorkerObject {
     unsigned spin_backoff_len;   /* auto: the next back-off's length */
     unsigned long spin_hits, spin_grows, spin_shrinks, slice_yields;
     unsigned long busy_polls;    /* busy-yield polls (the loop was busy) */
-    Py_ssize_t large_pending;    /* requests of UCXX_FOLLOW_MIN bytes or
-                                    more that UCX holds (RequestObject.large) */
-    unsigned long follows;       /* progress runs kept going for them */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *loop;              /* strong: attached event loop or NULL */
@@ -449,7 +446,6 @@ struct RequestObject {
                                     wait (spin, then sleep); 0: not yet */
     unsigned long sleep_calls;   /* ucxx_state.ucx_calls then */
     int slice_yielded;           /* gave the loop its turn (time slice) */
-    int large;                   /* counted in worker->large_pending */
     double busy_yield_at;        /* ucxx_now_us() when its await yielded
                                     to a busy loop; 0: it did not */
     RequestObject *next_done;    /* worker done list */
@@ -575,13 +571,6 @@ int ucxx_address_check(ucxx_state *st, const uint8_t *a, Py_ssize_t len);
 /* A loop iteration that ran other work this long is a busy loop's: the
  * worker is polled once per iteration instead of waiting for its fd. */
 #define UCXX_BUSY_GAP_US 100.0
-/* A transfer of UCXX_FOLLOW_MIN bytes or more takes many progress calls
- * (fragments, FIFO slots freed by the peer): while one is in flight the
- * worker is progressed until it completes, goes UCXX_FOLLOW_IDLE_US
- * without an event, or the time slice is spent, instead of sleeping on
- * the fd between pieces. */
-#define UCXX_FOLLOW_MIN (64 * 1024)
-#define UCXX_FOLLOW_IDLE_US 500.0
 enum { UCXX_SPIN_DONE, UCXX_SPIN_SLEEP, UCXX_SPIN_YIELD };
 void ucxx_worker_touched(WorkerObject *w);
 int ucxx_worker_dispatch(WorkerObject *w);
@@ -596,7 +585,6 @@ void ucxx_worker_resumed(WorkerObject *w);
 int ucxx_busy_step(RequestObject *r, int resumed);
 double ucxx_now_us(void);
 int ucxx_spin(RequestObject *r);
-int ucxx_follow(RequestObject *r);
 int ucxx_slice_spent(WorkerObject *w);
 PyObject *ucxx_slice_yield(WorkerObject *w);
 void ucxx_spin_feedback(RequestObject *r);

@@ -936,10 +936,10 @@ Worker_get_spin_auto(WorkerObject *w, void *closure)
 static PyObject *
 Worker_get_spin_stats(WorkerObject *w, void *closure)
 {
-    return Py_BuildValue("{sksksksksksk}", "hits", w->spin_hits,
+    return Py_BuildValue("{sksksksksk}", "hits", w->spin_hits,
                          "grows", w->spin_grows, "shrinks", w->spin_shrinks,
                          "slice_yields", w->slice_yields,
-                         "busy_polls", w->busy_polls, "follows", w->follows);
+                         "busy_polls", w->busy_polls);
 }
 
 static PyObject *

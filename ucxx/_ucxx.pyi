@@ -164,10 +164,8 @@ class Worker:
     @property
     def spin_stats(self) -> dict[str, int]:
         """Counters of the spin policy: ``hits`` (awaits completed by a
-        spin), ``grows``, ``shrinks`` (of the auto budget),
-        ``slice_yields`` (loop turns the time slice gave), ``busy_polls``
-        and ``follows`` (progress kept going for a transfer of 64 KiB or
-        more in flight)."""
+        spin), ``grows``, ``shrinks`` (of the auto budget) and
+        ``slice_yields`` (loop turns the time slice gave)."""
     @property
     def efd(self) -> int: ...
     @property
