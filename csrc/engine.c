@@ -337,7 +337,7 @@ PyObject *
 ucxx_slice_yield(WorkerObject *w)
 {
     ucxx_state *st = w->st;
-    PyObject *fut, *res, *running;
+    PyObject *fut, *set, *res, *running;
 
     w->slice_start = 0.0;
     w->slice_yields++;
@@ -357,8 +357,14 @@ ucxx_slice_yield(WorkerObject *w)
     if (fut == NULL) {
         return NULL;
     }
-    res = PyObject_CallMethodObjArgs(w->loop, st->s_call_later, st->zero,
-                                     st->slice_wake, fut, NULL);
+    set = PyObject_GetAttr(fut, st->s_set_result);
+    if (set == NULL) {
+        Py_DECREF(fut);
+        return NULL;
+    }
+    res = PyObject_CallMethodObjArgs(w->loop, st->s_call_later, st->zero, set,
+                                     Py_None, NULL);
+    Py_DECREF(set);
     if (res == NULL || PyObject_SetAttr(fut, st->s_blocking, Py_True) < 0) {
         Py_XDECREF(res);
         Py_DECREF(fut);

@@ -188,7 +188,6 @@ typedef struct {
     PyTypeObject *ProgressType;
     PyObject *exc[UCXX_EXC_COUNT];     /* strong: exception classes */
     PyObject *get_running_loop;        /* strong: asyncio.get_running_loop */
-    PyObject *slice_wake;              /* strong: this module's _slice_wake */
     PyObject *CancelledError;          /* strong: asyncio.CancelledError */
     PyObject *InvalidStateError;       /* strong: asyncio.InvalidStateError */
     PyObject *BaseEventLoop;           /* strong: asyncio.BaseEventLoop */

@@ -556,21 +556,3 @@ async def test_worker_leaves_the_loop_and_its_class_unchanged(mode):
     await asyncio.sleep(0)
     assert loop_attrs() == before
     assert {c: dict(vars(c)) for c in type(loop).__mro__} == cls_before
-
-
-def test_slice_wake_leaves_a_cancelled_future_alone():
-    """The timer of a time-slice yield resolves the awaiting task's future;
-    asyncio.run cancels every task on exit (sys.exit in main), so the
-    future may be cancelled by then: nothing is raised in the loop."""
-    from ucxx import _ucxx
-
-    loop = asyncio.new_event_loop()
-    try:
-        f = loop.create_future()
-        f.cancel()
-        assert _ucxx._slice_wake(f) is None and f.cancelled()
-        g = loop.create_future()
-        _ucxx._slice_wake(g)
-        assert g.result() is None
-    finally:
-        loop.close()

@@ -71,8 +71,6 @@ def get_ucx_version() -> tuple[int, int, int]:
 
 def _status_exception(status: int, /) -> UCXError:
     """The exception a UCX error status (negative ``ucs_status_t``) becomes."""
-def _slice_wake(fut: asyncio.Future[None], /) -> None:
-    """Resolve a slice yield's future unless it is done (cancelled)."""
 
 def get_config(options: dict[str, str] | None = None) -> dict[str, str]:
     """UCX configuration as ``{NAME: value}`` without the ``UCX_`` prefix,
