@@ -84,7 +84,6 @@ def run(args, packages: list[str]) -> list[dict]:
         for tls in args.tls:
             for nbytes in args.sizes:
                 n = iterations(nbytes, args.target_s)
-                args.n_bytes = nbytes
                 if args.raw:
                     for test in core.in_order(("tag_lat", "tag_bw"), rnd):
                         rec = {"round": rnd, "tls": tls, "nbytes": nbytes, "variant": test,
@@ -105,15 +104,23 @@ def run(args, packages: list[str]) -> list[dict]:
     return runs
 
 
+def _matching(runs, **kw) -> list[dict]:
+    return [r for r in runs if all(r.get(k) == v for k, v in kw.items())]
+
+
 def _times(runs, **kw) -> dict[int, float]:
     """{round: median_ns} of the runs that match ``kw`` and did not fail."""
-    return {r["round"]: r["median_ns"] for r in runs
-            if "error" not in r and all(r.get(k) == v for k, v in kw.items())}
+    return {r["round"]: r["median_ns"] for r in _matching(runs, **kw) if "error" not in r}
+
+
+def _per_round(a: dict, b: dict) -> dict | None:
+    """The ratio a / b of the rounds both have: median, range, count."""
+    return core.ratio([a[k] / b[k] for k in a if k in b])
 
 
 def summarise(runs: list[dict]) -> dict:
-    """Per cell (tls|size|reuse|mode): medians, per-round ratios, CPU; per
-    tls|size: the raw figures."""
+    """Per cell (tls|size|reuse|mode): medians, per-round ratios, CPU, runs
+    that failed; per tls|size: the raw figures."""
     out: dict = {"cells": {}, "raw": {}}
     for tls in dict.fromkeys(r["tls"] for r in runs):
         for nbytes in dict.fromkeys(r["nbytes"] for r in runs if r["tls"] == tls):
@@ -122,35 +129,26 @@ def summarise(runs: list[dict]) -> dict:
             bw = _times(runs, variant="tag_bw", **base)
             out["raw"][f"{tls}|{nbytes}"] = {"tag_lat_ns": core.median(lat.values()),
                                              "tag_bw_ns": core.median(bw.values())}
-            cells = {(r["reuse"], r["mode"]) for r in runs if "mode" in r and
-                     r["tls"] == tls and r["nbytes"] == nbytes}
+            cells = {(r["reuse"], r["mode"]) for r in _matching(runs, **base) if "mode" in r}
+            ours_t = {}
             for reuse, mode in sorted(cells, key=lambda c: (not c[0], MODES.index(c[1]))):
                 sel = dict(base, reuse=reuse, mode=mode)
-                ours, rapids = _times(runs, variant="ours", **sel), _times(runs, variant="rapids",
-                                                                          **sel)
-                cpu = [r["server_cpu_us"] + r["client_cpu_us"] for r in runs
-                       if r.get("variant") == "ours" and "server_cpu_us" in r
-                       and all(r.get(k) == v for k, v in sel.items())]
-                rcpu = [r["server_cpu_us"] + r["client_cpu_us"] for r in runs
-                        if r.get("variant") == "rapids" and "server_cpu_us" in r
-                        and all(r.get(k) == v for k, v in sel.items())]
-                out["cells"][key(tls, nbytes, reuse, mode)] = {
-                    **sel, "ours_ns": core.median(ours.values()),
-                    "rapids_ns": core.median(rapids.values()),
-                    "vs_rapids": core.ratio([ours[k] / rapids[k] for k in ours if k in rapids]),
-                    "vs_raw_lat": core.ratio([lat[k] / ours[k] for k in ours if k in lat]),
-                    "vs_raw_bw": core.ratio([bw[k] / ours[k] for k in ours if k in bw]),
-                    "ours_cpu_us": core.median(cpu), "rapids_cpu_us": core.median(rcpu),
-                    **{f"{v}_failed": sum(1 for r in runs if "error" in r and r["variant"] == v
-                                          and all(r.get(k) == x for k, x in sel.items()))
-                       for v in PACKAGES}}
+                t = {v: _times(runs, variant=v, **sel) for v in PACKAGES}
+                ours_t[reuse, mode] = t["ours"]
+                c = dict(sel, vs_rapids=_per_round(t["ours"], t["rapids"]),
+                         vs_raw_lat=_per_round(lat, t["ours"]),
+                         vs_raw_bw=_per_round(bw, t["ours"]))
+                for v in PACKAGES:
+                    mine = _matching(runs, variant=v, **sel)
+                    c[f"{v}_ns"] = core.median(t[v].values())
+                    c[f"{v}_cpu_us"] = core.median([r["server_cpu_us"] + r["client_cpu_us"]
+                                                    for r in mine if "server_cpu_us" in r])
+                    c[f"{v}_failed"] = sum("error" in r for r in mine)
+                out["cells"][key(tls, nbytes, reuse, mode)] = c
             for reuse in (True, False):
-                b = out["cells"].get(key(tls, nbytes, reuse, "blocking"))
-                p = out["cells"].get(key(tls, nbytes, reuse, "polling"))
-                if b and p:
-                    bt = _times(runs, variant="ours", mode="blocking", reuse=reuse, **base)
-                    pt = _times(runs, variant="ours", mode="polling", reuse=reuse, **base)
-                    b["vs_polling"] = core.ratio([pt[k] / bt[k] for k in bt if k in pt])
+                if (reuse, "blocking") in ours_t and (reuse, "polling") in ours_t:
+                    out["cells"][key(tls, nbytes, reuse, "blocking")]["vs_polling"] = _per_round(
+                        ours_t[reuse, "polling"], ours_t[reuse, "blocking"])
     return out
 
 

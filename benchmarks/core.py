@@ -862,8 +862,6 @@ def _listening(port: int) -> bool:
 
 def perftest_path(ours_python: str) -> tuple[str, str]:
     """(ucx_perftest, its lib/ directory) from ours' libucx wheel."""
-    import subprocess
-
     r = subprocess.run([ours_python, "-c",
                         "import libucx, os; print(os.path.dirname(libucx.__file__))"],
                        capture_output=True, text=True, env=package_env("ours", None),

@@ -1136,6 +1136,7 @@ def main(argv=None, prog: str = "python benchmarks/vs_rapids.py") -> int:
                   "config": {"command": command, "parts_run": parts, "tls": args.tls,
                              "modes": args.modes, "rounds": args.rounds,
                              "n_bytes": args.n_bytes, "n_iter": args.n_iter,
+                             "reuse_alloc": args.reuse_alloc,
                              "n_warmup_iter": args.n_warmup_iter,
                              "cpu_min_s": args.cpu_min_s, "cpu": args.cpu,
                              "address": args.address, "cpus": args.cpus, "timeout": args.timeout,
