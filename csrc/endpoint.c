@@ -268,6 +268,8 @@ ucxx_endpoint_report_error(EndpointObject *ep)
     /* A failure during this side's graceful close (the peer closing in
      * answer) ends what the close would have cancelled. */
     cancel_tracked(ep, ep->closing ? UCS_ERR_CANCELED : ep->error);
+    /* A dead shared-memory sender may have left a FIFO slot half-written. */
+    ucxx_shm_peer_failed(ep->worker);
     if (ep->handle != NULL) {
         /* UCX requires a failed endpoint to be closed with FORCE. */
         r = ep_close_handle(ep, 1);
@@ -741,6 +743,25 @@ Endpoint_close_by_peer(EndpointObject *ep, PyObject *unused)
     return Endpoint_abort(ep, NULL);
 }
 
+PyDoc_STRVAR(Endpoint_peer_exited_doc,
+"_peer_exited($self, /)\n--\n\n"
+"The peer process is known to have exited (its pidfd): the endpoint fails\n"
+"as on a UCX peer error, with UCXConnectionResetError. Idempotent.");
+
+static PyObject *
+Endpoint_peer_exited(EndpointObject *ep, PyObject *unused)
+{
+    WorkerObject *w = ep->worker;
+
+    ucxx_lock(w);
+    if (!ep->closed && ep->handle != NULL && w->handle != NULL) {
+        ep_err_cb(ep, ep->handle, UCS_ERR_CONNECTION_RESET);
+        ucxx_worker_dispatch(w);
+    }
+    ucxx_unlock(w);
+    Py_RETURN_NONE;
+}
+
 PyDoc_STRVAR(Endpoint_begin_close_doc,
 "_begin_close($self, /)\n--\n\n"
 "This side began a graceful close: should the endpoint fail before the\n"
@@ -995,6 +1016,8 @@ static PyMethodDef Endpoint_methods[] = {
      Endpoint_am_recv_doc},
     {"close", (PyCFunction)Endpoint_close, METH_NOARGS, Endpoint_close_doc},
     {"abort", (PyCFunction)Endpoint_abort, METH_NOARGS, Endpoint_abort_doc},
+    {"_peer_exited", (PyCFunction)Endpoint_peer_exited, METH_NOARGS,
+     Endpoint_peer_exited_doc},
     {"_close_by_peer", (PyCFunction)Endpoint_close_by_peer, METH_NOARGS,
      Endpoint_close_by_peer_doc},
     {"_begin_close", (PyCFunction)Endpoint_begin_close, METH_NOARGS,
@@ -1009,7 +1032,47 @@ static PyMethodDef Endpoint_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+/* The transports UCX uses for this endpoint: one (transport, device) per
+ * lane, in lane order (ucp_ep_query). */
+static PyObject *
+Endpoint_get_transports(EndpointObject *ep, void *closure)
+{
+    ucp_transport_entry_t entries[16];
+    ucp_ep_attr_t attr;
+    ucs_status_t status;
+    PyObject *out;
+
+    ucxx_lock(ep->worker);
+    if (ep->handle == NULL || ep->worker->handle == NULL) {
+        ucxx_unlock(ep->worker);
+        return PyTuple_New(0);
+    }
+    attr.field_mask = UCP_EP_ATTR_FIELD_TRANSPORTS;
+    attr.transports.entries = entries;
+    attr.transports.num_entries = 16;
+    attr.transports.entry_size = sizeof(entries[0]);
+    status = ucp_ep_query(ep->handle, &attr);
+    ucxx_unlock(ep->worker);
+    if (status != UCS_OK) {
+        return ucxx_raise_status(ep->worker->st, status, "ucp_ep_query");
+    }
+    out = PyTuple_New(attr.transports.num_entries);
+    for (unsigned i = 0; out != NULL && i < attr.transports.num_entries; i++) {
+        PyObject *pair = Py_BuildValue("(ss)", entries[i].transport_name,
+                                       entries[i].device_name);
+        if (pair == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyTuple_SetItem(out, i, pair);
+    }
+    return out;
+}
+
 static PyGetSetDef Endpoint_getset[] = {
+    {"transports", (getter)Endpoint_get_transports, NULL,
+     "((transport, device), ...) UCX uses, one per lane; () once closed.",
+     NULL},
     {"alive", (getter)Endpoint_get_alive, NULL, "Open and not failed.", NULL},
     {"closed", (getter)Endpoint_get_closed, NULL, "Closed or failed.", NULL},
     {"handle", (getter)Endpoint_get_handle, NULL, "ucp_ep_h as int.", NULL},

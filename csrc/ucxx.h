@@ -281,6 +281,9 @@ enum {
 };
 #define UCXX_THREADED(w) ((w)->mode >= UCXX_MODE_THREAD)
 
+/* Shared-memory receive FIFOs of one process a worker watches (shm.c). */
+#define UCXX_SHM_FIFOS_MAX 16
+
 /* Worker: wraps ucp_worker_h and drives it from one event loop at a time. */
 struct WorkerObject {
     PyObject_HEAD
@@ -342,6 +345,16 @@ struct WorkerObject {
                                     each holds its own self reference) */
     RequestObject *done_tail;
     ucxx_link errored;           /* EndpointObject.elink: peer errors to report */
+    /* The shared-memory FIFO watch after a peer error (shm.c) */
+    PyObject *shm_timer;         /* strong: its pending TimerHandle or NULL */
+    double shm_watch_until;      /* ucxx_now_us() it runs until */
+    int shm_nstuck;              /* slots seen reserved and unwritten */
+    struct {
+        uintptr_t fifo;          /* the FIFO's mapping in this process */
+        uint64_t index;          /* the slot's position (head counter) */
+        double since;            /* ucxx_now_us() first seen so */
+    } shm_stuck[UCXX_SHM_FIFOS_MAX];
+    unsigned long shm_skipped;   /* stuck slots written off */
     ucxx_link conn_ready;        /* ListenerObject.clink: conn requests queued */
     /* Thread modes: the progress thread calls UCX with `lock` held; so does
      * every entry point (always, so that the rule cannot be forgotten).
@@ -571,6 +584,11 @@ int ucxx_address_check(ucxx_state *st, const uint8_t *a, Py_ssize_t len);
  * worker is polled once per iteration instead of waiting for its fd. */
 #define UCXX_BUSY_GAP_US 100.0
 enum { UCXX_SPIN_DONE, UCXX_SPIN_SLEEP, UCXX_SPIN_YIELD };
+/* shm.c: after a peer error, slots of this process's shared-memory
+ * receive FIFOs that a dead sender reserved and never wrote are skipped. */
+void ucxx_shm_peer_failed(WorkerObject *w);
+PyObject *ucxx_shm_watch(WorkerObject *w, PyObject *unused);
+void ucxx_shm_watch_stop(WorkerObject *w);
 void ucxx_worker_touched(WorkerObject *w);
 int ucxx_worker_dispatch(WorkerObject *w);
 unsigned ucxx_worker_drain(WorkerObject *w, unsigned budget);

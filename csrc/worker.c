@@ -338,6 +338,7 @@ worker_close_now(WorkerObject *w)
         return;
     }
     ucxx_worker_stop_thread(w);
+    ucxx_shm_watch_stop(w);
     /* No progress thread from here on; the lock is still taken, as the
      * functions called below expect it (and assert it). */
     ucxx_lock(w);
@@ -943,6 +944,12 @@ Worker_get_spin_stats(WorkerObject *w, void *closure)
 }
 
 static PyObject *
+Worker_get_shm_slots_skipped(WorkerObject *w, void *closure)
+{
+    return PyLong_FromUnsignedLong(w->shm_skipped);
+}
+
+static PyObject *
 Worker_get_loop(WorkerObject *w, void *closure)
 {
     return Py_NewRef(w->loop ? w->loop : Py_None);
@@ -985,6 +992,7 @@ Worker_traverse(WorkerObject *w, visitproc visit, void *arg)
     Py_VISIT(w->coro);
     Py_VISIT(w->waiter);
     Py_VISIT(w->rearm_cb);
+    Py_VISIT(w->shm_timer);
     Py_VISIT(w->am_allocators);
     return 0;
 }
@@ -999,6 +1007,7 @@ Worker_clear(WorkerObject *w)
     Py_CLEAR(w->future_kw);
     Py_CLEAR(w->rearm_cb);
     Py_CLEAR(w->am_allocators);
+    Py_CLEAR(w->shm_timer);
     return 0;
 }
 
@@ -1086,6 +1095,9 @@ static PyMethodDef Worker_methods[] = {
     {"_rearm", (PyCFunction)ucxx_worker_rearm, METH_NOARGS,
      "_rearm($self, /)\n--\n\nScheduled after a UCX call on an armed "
      "worker."},
+    {"_shm_watch", (PyCFunction)ucxx_shm_watch, METH_NOARGS,
+     "_shm_watch($self, /)\n--\n\nThe shared-memory FIFO watch's timer "
+     "(after a peer error)."},
     {"_on_notify", (PyCFunction)ucxx_worker_on_notify, METH_NOARGS,
      "_on_notify($self, /)\n--\n\nThread modes: deliver what the progress "
      "thread\nqueued (one wakeup per batch)."},
@@ -1108,6 +1120,9 @@ static PyGetSetDef Worker_getset[] = {
     {"spin_stats", (getter)Worker_get_spin_stats, NULL,
      "Counters of the spin policy: awaits completed by a spin, budget\n"
      "grows and shrinks, time-slice yields.", NULL},
+    {"shm_slots_skipped", (getter)Worker_get_shm_slots_skipped, NULL,
+     "Slots of this process's shared-memory receive FIFOs that a dead\n"
+     "sender reserved and never wrote, skipped so the FIFO moves on.", NULL},
     {"loop", (getter)Worker_get_loop, NULL, "Attached event loop.", NULL},
     {"task", (getter)Worker_get_task, NULL, "The progress Task.", NULL},
     {"armed", (getter)Worker_get_armed, NULL, "Armed for the event fd.", NULL},

@@ -165,6 +165,12 @@ class Worker:
         spin), ``grows``, ``shrinks`` (of the auto budget) and
         ``slice_yields`` (loop turns the time slice gave)."""
     @property
+    def shm_slots_skipped(self) -> int:
+        """Slots of this process's shared-memory receive FIFOs that a dead
+        sender reserved and never wrote, skipped so that the FIFO serves
+        its other senders again (watched for 10 s after each peer error;
+        a slot stuck for 1 s is skipped)."""
+    @property
     def efd(self) -> int: ...
     @property
     def address(self) -> bytes:
@@ -267,6 +273,11 @@ class Endpoint:
     @property
     def peer_closed(self) -> bool: ...
     @property
+    def transports(self) -> tuple[tuple[str, str], ...]:
+        """(transport, device) UCX uses for this endpoint, one per lane
+        (``ucp_ep_query``); ``()`` once closed. Shared memory shows as
+        ``posix`` or ``sysv``."""
+    @property
     def error(self) -> UCXError | None:
         """The peer's error as an exception instance, or None."""
     def send(self, buf: Buffer, tag: int | str | bytes | None = None, force_tag: bool = False) -> Request:
@@ -315,6 +326,9 @@ class Endpoint:
         UCXCanceledError. Idempotent."""
     def abort(self) -> None:
         """Immediate (force) close. Idempotent."""
+    def _peer_exited(self) -> None:
+        """The peer process exited (its pidfd said so): fail as on a UCX
+        peer error, with UCXConnectionResetError. Idempotent."""
     def _close_by_peer(self) -> None:
         """The peer announced its close: abort; later receives still match
         messages that had already arrived."""
