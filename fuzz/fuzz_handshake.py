@@ -1,5 +1,6 @@
 """Fuzz the connection handshake decoder
-(``ucxx/_lib_async/exchange_peer_info.py``: ``unpack``).
+(``ucxx/_lib_async/exchange_peer_info.py``: ``decode_peer``: the message,
+then the identity block it may announce).
 
     python fuzz/fuzz_handshake.py -runs=100000 [corpus_dir ...]
 
@@ -31,6 +32,7 @@ if atheris is not None:
         from ucxx._lib_async import exchange_peer_info as hs
 else:
     from ucxx._lib_async import exchange_peer_info as hs
+from ucxx._lib_async import liveness  # noqa: E402
 
 from ucxx.exceptions import UCXError  # noqa: E402
 
@@ -45,6 +47,15 @@ def test_one_input(data: bytes) -> None:
         flags = struct.unpack_from("<H", data, 6)[0]
         assert hs.pack(info.recv_tag, info.ctrl_tag, flags=flags) == bytes(data)
         assert info.version == hs.VERSION
+    try:
+        info, pid = hs.decode_peer(data)
+    except UCXError:
+        pass
+    else:
+        assert info == hs.unpack(data[:hs.MSG_SIZE])
+        if info.flags & hs.FLAG_IDENTITY:
+            assert len(data) >= hs.MSG_SIZE + liveness.IDENT_SIZE
+        assert pid is None or pid[0] > 0
     # Round trip of whatever tags the input spells.
     if len(data) >= 18:
         a, b = struct.unpack_from("<QQ", data, 0)
@@ -55,8 +66,10 @@ def test_one_input(data: bytes) -> None:
 
 def seeds() -> list[bytes]:
     good = hs.pack(0x1234, 0x5678)
+    ident = hs.pack(3, 4, flags=hs.FLAG_IDENTITY) + liveness.identity()
     return [good, hs.pack(2 ** 64 - 1, 0, flags=7), good[:20], good + b"x",
-            b"X" * hs.MSG_SIZE, hs.pack(1, 2, version=2), good[:-1] + b"\0"]
+            b"X" * hs.MSG_SIZE, hs.pack(1, 2, version=2), good[:-1] + b"\0",
+            ident, ident[:-1] + b"\0", ident[:40]]
 
 
 def main(argv):

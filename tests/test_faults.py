@@ -9,10 +9,15 @@ Two families (figures in docs/RELIABILITY.md, "Faults injected"):
   await on the dead peer's endpoint fails with a typed ``UCXError`` within
   ``KILL_BOUND_S``; a second peer is served without a hitch throughout and
   afterwards; the dead endpoint's close callback runs once. The second peer
-  talks tcp in the shared-memory case: a shared-memory sender killed in the
-  middle of writing into this worker's receive FIFO blocks it for every
-  other shared-memory sender (UCX; an ``xfail(strict=True)`` test shows it
-  deterministically, with gdb).
+  talks shared memory too: a shared-memory sender killed in the middle of
+  writing into this worker's receive FIFO leaves a slot that blocks the
+  FIFO for every other sender until the worker skips it (csrc/shm.c; a test
+  stops a sender there with gdb). ``test_shm_peer_killed_uniformly``: 100
+  kills at uniform random moments of transfers of 1 B to 64 MiB over shared
+  memory between listener endpoints, whose peers are watched by pidfd
+  (``ucxx/_lib_async/liveness.py``): every pending operation fails with a
+  typed error within 1 s and a second shared-memory peer is served after
+  each.
 - **Network faults** between a client and a peer process, each on a host
   of a ``_netns.Network`` (tests/_netns.py: ``client eth0 --veth-- router
   --veth-- eth0 peer``, network namespaces created and removed by the
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import os
 import random
 import shutil
@@ -47,6 +53,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import numpy as np
@@ -85,13 +92,6 @@ MAX_SIZE = 4 << 20
 # test_shm_peer_killed_during_large_send): the random-kill test keeps its
 # messages below that, the large-send case has its own (xfail) test.
 MAX_SIZE_BY_TRANSPORT = {"tcp": MAX_SIZE, "shm": 256 << 10}
-# The second, surviving peer of test_peer_killed_at_random_point talks tcp in
-# the shm case: a shared-memory sender killed between reserving a slot of
-# this worker's shared-memory receive FIFO and marking it written blocks that
-# FIFO for every other shared-memory sender, for good (a UCX limitation, shown
-# by test_shm_peer_killed_mid_fifo_write_blocks_other_senders); a random kill
-# lands there now and then.
-SURVIVOR_TRANSPORTS = {"tcp": FAULT_TRANSPORTS["tcp"], "shm": {"TLS": "tcp"}}
 
 
 # ------------------------------------------------------------------ peer
@@ -268,8 +268,7 @@ async def test_peer_killed_at_random_point(run_peer, fault_transport, seed):
     mode = "sockaddr" if fault_transport == "tcp" else "address"
     rng = random.Random(seed)
     victim = await start_remote(run_peer, mode, opts, base=0x1000)
-    survivor = await start_remote(run_peer, mode, SURVIVOR_TRANSPORTS[fault_transport],
-                                  base=0x2000)
+    survivor = await start_remote(run_peer, mode, opts, base=0x2000)
     closed = []
     victim.ep.set_close_callback(lambda: closed.append(time.monotonic()))
 
@@ -390,22 +389,25 @@ async def test_peer_killed_at_random_point(run_peer, fault_transport, seed):
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("nbytes", [
-    800_000,    # eager within a host (DEFAULT_UCX_OPTIONS' RNDV_THRESH)
-    pytest.param(9_000_000, marks=pytest.mark.xfail(strict=True, reason=(
+@pytest.mark.parametrize("mode,nbytes", [
+    ("sockaddr", 800_000),      # eager within a host (DEFAULT_UCX_OPTIONS' RNDV_THRESH)
+    ("sockaddr", 9_000_000),    # rendezvous; the peer's pidfd reports its death
+    ("address", 800_000),
+    pytest.param("address", 9_000_000, marks=pytest.mark.xfail(strict=True, reason=(
         "UCX 1.22 shared memory (posix/sysv, MM_ERROR_HANDLING=y): a peer "
         "killed while a rendezvous send to it is in flight is never "
-        "reported; the send and every receive on that endpoint hang (other "
-        "endpoints of the worker are still checked). See docs/RELIABILITY.md"))),
+        "reported; an endpoint from a worker address has no pidfd watch "
+        "(no handshake names the peer). See docs/RELIABILITY.md"))),
 ])
 @pytest.mark.parametrize("fault_transport", ["shm"], indirect=True)
-async def test_shm_peer_killed_during_large_send(run_peer, fault_transport, nbytes):
+async def test_shm_peer_killed_during_large_send(run_peer, fault_transport, mode, nbytes):
     """Kill the echo peer right after posting a large send_obj that it
     waits for (and the receive of its echo) over shared memory: both must
-    fail within KILL_BOUND_S."""
+    fail within KILL_BOUND_S (within 1 s where the peer is watched)."""
     opts = FAULT_TRANSPORTS[fault_transport]
+    bound = 1.0 if mode == "sockaddr" else KILL_BOUND_S
     for attempt in range(2):
-        victim = await start_remote(run_peer, "address", opts, base=0x3000 + 16 * attempt)
+        victim = await start_remote(run_peer, mode, opts, base=0x3000 + 16 * attempt)
         await victim.roundtrip(b"warm-up")
         recv = asyncio.ensure_future(victim.ep.recv_obj(**victim.kw_in))
         send = asyncio.ensure_future(victim.ep.send_obj(np.ones(nbytes, np.uint8),
@@ -415,7 +417,7 @@ async def test_shm_peer_killed_during_large_send(run_peer, fault_transport, nbyt
         os.kill(victim.peer.pid, signal.SIGKILL)
         victim.peer.proc.wait(5)
         try:
-            done, pending = await asyncio.wait([recv, send], timeout=KILL_BOUND_S)
+            done, pending = await asyncio.wait([recv, send], timeout=bound)
             assert not pending, (
                 f"attempt {attempt}: {len(pending)} operation(s) still pending "
                 f"{time.monotonic() - t0:.1f} s after the kill; {victim.ep!r}")
@@ -429,19 +431,123 @@ async def test_shm_peer_killed_during_large_send(run_peer, fault_transport, nbyt
             victim.ep.abort()
 
 
+# test_shm_peer_killed_uniformly: sizes taken in turn, kills in all, and the
+# bound on every pending operation's end after a kill. The seed is drawn per
+# run (printed; UCXX_KILL_SEED repeats one).
+UNIFORM_SIZES = [1, 64 << 10, 1 << 20, 8 << 20, 64 << 20]
+UNIFORM_KILLS = 100
+UNIFORM_BOUND_S = 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("fault_transport", ["shm"], indirect=True)
+async def test_shm_peer_killed_uniformly(run_peer, fault_transport):
+    """100 echo peers over shared memory (listener endpoints), each SIGKILLed
+    at a moment drawn uniformly over one round trip of 1 B .. 64 MiB (our
+    send, then its echo: sends and receives are both hit). Every operation
+    pending at the kill ends (completes, or fails with a typed UCXError)
+    within UNIFORM_BOUND_S; then a second shared-memory peer of the same
+    worker completes a 64 KiB round trip."""
+    opts = FAULT_TRANSPORTS[fault_transport]
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    seed = int(os.environ.get("UCXX_KILL_SEED", random.randrange(1 << 32)))
+    rng = random.Random(seed)
+    survivor = await start_remote(run_peer, "sockaddr", opts, base=0)
+    probe = np.arange(8192, dtype=np.uint64).view(np.uint8)
+    await survivor.roundtrip(probe)
+    bufs = {n: np.full(n, 7, np.uint8) for n in UNIFORM_SIZES}
+    following = asyncio.ensure_future(start_remote(run_peer, "sockaddr", opts, base=0))
+    ends: list[float] = []
+    recoveries: list[float] = []
+    hit = 0  # kills with an operation pending
+    problems: list[str] = []
+    try:
+        for k in range(UNIFORM_KILLS):
+            size = UNIFORM_SIZES[k % len(UNIFORM_SIZES)]
+            victim = await following
+            following = (asyncio.ensure_future(start_remote(run_peer, "sockaddr", opts, base=0))
+                         if k + 1 < UNIFORM_KILLS else None)
+            rt = []
+            for _ in range(2):  # the second is the steady state's
+                t0 = time.monotonic()
+                await victim.roundtrip(bufs[size])
+                rt.append(time.monotonic() - t0)
+            delay = rng.uniform(0, min(rt))
+            # The kill comes from a thread, so that the loop goes on
+            # progressing the transfer meanwhile (the GIL is handed over
+            # every 100 us: see the switch interval below).
+            t_kill: list[float] = []
+
+            def kill(pid=victim.peer.pid, due=time.monotonic() + delay):
+                time.sleep(max(0.0, due - time.monotonic()))
+                os.kill(pid, signal.SIGKILL)
+                t_kill.append(time.monotonic())
+
+            killer = threading.Thread(target=kill)
+            ops = [asyncio.ensure_future(victim.ep.recv_obj()),
+                   asyncio.ensure_future(victim.ep.send_obj(bufs[size]))]
+            ended: dict = {}
+            for op in ops:
+                op.add_done_callback(lambda f: ended.setdefault(f, time.monotonic()))
+            killer.start()
+            _done, pending = await asyncio.wait(ops, timeout=delay + UNIFORM_BOUND_S + 5)
+            killer.join()
+            hit += any(ended.get(op, math.inf) > t_kill[0] for op in ops)
+            for op in ops:
+                if op in pending:
+                    problems.append(f"kill {k} ({size} B, +{delay * 1e3:.2f} ms): "
+                                    "an operation still pending "
+                                    f"{time.monotonic() - t_kill[0]:.1f} s after the kill")
+                    op.cancel()
+                    continue
+                exc = op.exception()
+                if exc is not None and (not isinstance(exc, ucxx.UCXError)
+                                        or type(exc) is ucxx.UCXError):
+                    problems.append(f"kill {k} ({size} B): untyped error {exc!r}")
+                if ended[op] > t_kill[0]:
+                    ends.append(ended[op] - t_kill[0])
+            await asyncio.gather(*ops, return_exceptions=True)
+            victim.peer.proc.wait(5)
+            victim.ep.abort()
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(survivor.roundtrip(probe), KILL_BOUND_S)
+            except (asyncio.TimeoutError, ucxx.UCXError) as e:
+                problems.append(f"kill {k} ({size} B): the survivor failed: {e!r}")
+                break
+            recoveries.append(time.monotonic() - t0)
+    finally:
+        sys.setswitchinterval(switch)
+        if following is not None:
+            following.cancel()
+            await asyncio.gather(following, return_exceptions=True)
+    ends.sort()
+    recoveries.sort()
+
+    def q(xs, p):
+        return xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3 if xs else float("nan")
+
+    print(f"\n[uniform kills, seed {seed}] {UNIFORM_KILLS} kills, {hit} with an operation "
+          "pending; they "
+          f"ended after p50 {q(ends, 0.5):.1f} / p99 {q(ends, 0.99):.1f} / max "
+          f"{q(ends, 1.0):.1f} ms ({len(ends)} ends); survivor round trip after each "
+          f"p50 {q(recoveries, 0.5):.1f} / max {q(recoveries, 1.0):.1f} ms; FIFO slots "
+          f"skipped: {ucxx.core._get_ctx().worker.shm_slots_skipped}")
+    assert not problems, "\n".join(problems)
+    assert ends and ends[-1] <= UNIFORM_BOUND_S, f"seed {seed}: slowest end {ends[-1]:.3f} s"
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason=(
-    "UCX 1.22 shared memory: a sender killed between reserving a slot of the "
-    "receiver's FIFO and marking it written blocks that FIFO for every other "
-    "shared-memory sender, for good. See docs/RELIABILITY.md"))
 @pytest.mark.parametrize("fault_transport", ["shm"], indirect=True)
-async def test_shm_peer_killed_mid_fifo_write_blocks_other_senders(run_peer, fault_transport):
+async def test_shm_peer_killed_mid_fifo_write_other_senders_served(run_peer, fault_transport):
     """Stop the victim with gdb inside its eager send to us, after UCX's
     shared-memory transport reserved the FIFO slot (``uct_mm_ep_am_bcopy``
     calls the pack callback ``ucp_eager_single_pack`` between reserving the
     slot and setting its owner flag), kill it there; a second shared-memory
-    peer must still be served."""
+    peer must still be served: the worker skips the dead sender's slot."""
     gdb = shutil.which("gdb")
     if gdb is None:
         pytest.skip("needs gdb")
@@ -451,6 +557,7 @@ async def test_shm_peer_killed_mid_fifo_write_blocks_other_senders(run_peer, fau
     small = np.arange(1000, dtype=np.uint16).view(np.uint8)  # eager, bcopy
     await victim.roundtrip(small)
     await survivor.roundtrip(small)
+    skipped = ucxx.core._get_ctx().worker.shm_slots_skipped
     dbg = subprocess.Popen(
         [gdb, "-p", str(victim.peer.pid), "-batch", "-nx",
          "-ex", "break ucp_eager_single_pack", "-ex", "continue", "-ex", "bt 4",
@@ -483,6 +590,7 @@ async def test_shm_peer_killed_mid_fifo_write_blocks_other_senders(run_peer, fau
             pytest.skip(f"gdb did not stop the victim in the shm FIFO write:\n{out}")
         for _ in range(5):
             await asyncio.wait_for(survivor.roundtrip(small), KILL_BOUND_S)
+        assert ucxx.core._get_ctx().worker.shm_slots_skipped > skipped
     finally:
         if dbg.poll() is None:
             dbg.kill()

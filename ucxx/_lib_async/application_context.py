@@ -457,6 +457,7 @@ class ApplicationContext:
             "msg_recv": recv_tag,
             "ctrl_send": peer["ctrl_tag"],
             "ctrl_recv": ctrl_tag,
+            "peer_pid": peer.get("peer_pid"),
         }
         try:
             ep = Endpoint(c_ep, self, tags)

@@ -22,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import struct
 import weakref
 
 from .. import _ucxx
 from ..types import Tag
 from ..exceptions import UCXCanceledError, UCXError, UCXMessageTruncatedError
-from . import multi
+from . import liveness, multi
 from .utils import callable_bool, get_event_loop
 
 logger = logging.getLogger("ucx")
@@ -74,6 +75,8 @@ class _EndpointState:
         "close_after",
         "finished_recv",
         "close_msg",
+        "pidfd",
+        "pidfd_loop",
         "__weakref__",
     )
 
@@ -95,6 +98,20 @@ class _EndpointState:
         self.close_after = None
         self.finished_recv = 0
         self.close_msg = None  # the posted close message's Request
+        self.pidfd = None  # the peer process's pidfd, watched on pidfd_loop
+        self.pidfd_loop = None
+
+    def stop_liveness(self) -> None:
+        """End the watch of the peer process (liveness.py)."""
+        fd, self.pidfd = self.pidfd, None
+        if fd is not None:
+            liveness.unwatch(self.pidfd_loop, fd)
+        self.pidfd_loop = None
+
+    def __del__(self):
+        # The loop closed with the watch on (its reader kept this alive).
+        if self.pidfd is not None:
+            os.close(self.pidfd)
 
     def stop_ctrl(self) -> None:
         """Cancel the control receive (a worker-level receive: the endpoint
@@ -107,13 +124,22 @@ class _EndpointState:
 
 def _on_c_close(state: _EndpointState) -> None:
     """The C endpoint's close callback (run from the loop once it closed,
-    was aborted, failed or was collected): end the control watcher, then
-    run the application's callback."""
+    was aborted, failed or was collected): end the control watcher and the
+    peer process's watch, then run the application's callback."""
     state.stop_ctrl()
+    state.stop_liveness()
     state.close_cb_done = True
     cb, state.close_cb = state.close_cb, None
     if cb is not None:
         cb()
+
+
+def _on_peer_exit(state: _EndpointState, wref) -> None:
+    """The peer process exited: the endpoint fails (UCXConnectionResetError)."""
+    state.stop_liveness()
+    ep = wref()
+    if ep is not None:
+        _C._peer_exited(ep)
 
 
 async def _watch_ctrl(req, buf, state: _EndpointState, wref):
@@ -208,7 +234,9 @@ class Endpoint(_ucxx.Endpoint):
 
         ``tags``: ``{"msg_send", "msg_recv", "ctrl_send", "ctrl_recv"}`` as
         agreed in the handshake (None: an endpoint from a worker address,
-        which has no control channel)."""
+        which has no control channel), and ``"peer_pid"``: the peer
+        process's (pid, start time) where it runs on this host, watched
+        while the endpoint is open."""
         if type(endpoint) is not _C:
             raise TypeError(
                 "endpoint must be a ucxx._ucxx.Endpoint not yet adopted, got "
@@ -225,6 +253,8 @@ class Endpoint(_ucxx.Endpoint):
         endpoint.__class__ = cls
         if state.ctrl_recv_tag is not None and state.ctrl_send_tag is not None:
             endpoint._start_ctrl_watch()
+        if tags.get("peer_pid") is not None:
+            endpoint._start_liveness(*tags["peer_pid"])
         if ctx is not None:
             ctx._track_endpoint(endpoint)
         return endpoint
@@ -246,6 +276,16 @@ class Endpoint(_ucxx.Endpoint):
         state.ctrl_task = task
         if state.ctx is not None:
             state.ctx._track_task(task)
+
+    def _start_liveness(self, pid: int, start: int) -> None:
+        state = self._state
+        if not self.alive:
+            return
+        loop = asyncio.get_running_loop()
+        on_exit = functools.partial(_on_peer_exit, state, weakref.ref(self))
+        state.pidfd = liveness.watch(loop, pid, start, on_exit)
+        if state.pidfd is not None:
+            state.pidfd_loop = loop
 
     @property
     def _ep(self):

@@ -8,10 +8,14 @@ and receives the peer's:
     offset size  field
     0      4     magic     b"UCXH"
     4      2     version   uint16 little endian (1)
-    6      2     flags     uint16, 0 (reserved)
+    6      2     flags     uint16: FLAG_IDENTITY, other bits reserved
     8      8     recv_tag  uint64: tag the sender receives messages on
     16     8     ctrl_tag  uint64: tag the sender receives control messages on
     24     8     checksum  first 8 bytes of BLAKE2b(bytes 0..23, person=b"ucxx-hs1")
+
+With FLAG_IDENTITY set, the sender's 32-byte identity block follows on the
+stream (liveness.py: pid, start time, host digest); a receiver that knows
+the flag reads it, an older one leaves it unread.
 
 The listener's side sends first and then receives; the client receives
 first and then sends: when the listener's side goes on, the client's
@@ -28,9 +32,12 @@ from dataclasses import dataclass
 
 from .. import _ucxx
 from ..exceptions import UCXError, UCXTimedOutError
+from . import liveness
 
 MAGIC = b"UCXH"
 VERSION = 1
+# flags: an identity block follows (liveness.py).
+FLAG_IDENTITY = 1
 _BODY = struct.Struct("<4sHHQQ")
 _MSG = struct.Struct("<4sHHQQ8s")
 MSG_SIZE = _MSG.size  # 32
@@ -53,6 +60,7 @@ class PeerInfo:
     recv_tag: int
     ctrl_tag: int
     version: int
+    flags: int = 0
 
 
 def unpack(data: bytes | bytearray | memoryview) -> PeerInfo:
@@ -62,7 +70,7 @@ def unpack(data: bytes | bytearray | memoryview) -> PeerInfo:
         raise UCXError(
             f"handshake failed: expected {MSG_SIZE} bytes from the peer, got {len(data)}"
         )
-    magic, version, _flags, recv_tag, ctrl_tag, checksum = _MSG.unpack(data)
+    magic, version, flags, recv_tag, ctrl_tag, checksum = _MSG.unpack(data)
     if magic != MAGIC:
         raise UCXError(
             f"handshake failed: bad magic {magic!r} (expected {MAGIC!r}); "
@@ -78,7 +86,28 @@ def unpack(data: bytes | bytearray | memoryview) -> PeerInfo:
             f"handshake failed: checksum mismatch ({checksum.hex()} != "
             f"{_checksum(data[:_BODY.size]).hex()})"
         )
-    return PeerInfo(recv_tag=recv_tag, ctrl_tag=ctrl_tag, version=version)
+    return PeerInfo(recv_tag=recv_tag, ctrl_tag=ctrl_tag, version=version, flags=flags)
+
+
+def decode_peer(data: bytes | bytearray | memoryview) -> tuple[PeerInfo, tuple[int, int] | None]:
+    """The peer's whole handshake as received: its message, then its
+    identity block if the message's flags announce one. (PeerInfo, the
+    peer's (pid, start time) on this host or None); UCXError naming what
+    is wrong."""
+    data = bytes(data)
+    info = unpack(data[:MSG_SIZE])
+    if not info.flags & FLAG_IDENTITY:
+        return info, None
+    ident = data[MSG_SIZE:MSG_SIZE + liveness.IDENT_SIZE]
+    if len(ident) != liveness.IDENT_SIZE:
+        raise UCXError(
+            f"handshake failed: identity block missing ({len(ident)} of "
+            f"{liveness.IDENT_SIZE} bytes)"
+        )
+    try:
+        return info, liveness.peer_pid(ident)
+    except ValueError as e:
+        raise UCXError(f"handshake failed: {e}") from None
 
 
 def new_tag() -> int:
@@ -103,13 +132,24 @@ async def _exchange(
         expired.append(True)
         c_ep.abort()
 
+    async def receive():
+        await c_ep.stream_recv(peer_buf)
+        try:
+            flags = unpack(peer_buf).flags
+        except UCXError:
+            return  # refused by the caller, without waiting for more
+        if flags & FLAG_IDENTITY:
+            ident = bytearray(liveness.IDENT_SIZE)
+            await c_ep.stream_recv(ident)
+            peer_buf.extend(ident)
+
     timer = asyncio.get_running_loop().call_later(timeout, expire)
     try:
         if listener:
             await c_ep.stream_send(my_msg)
-            await c_ep.stream_recv(peer_buf)
+            await receive()
         else:
-            await c_ep.stream_recv(peer_buf)
+            await receive()
             await c_ep.stream_send(my_msg)
     except UCXError:
         if expired:
@@ -131,7 +171,9 @@ async def exchange_peer_info(
     """Run the handshake on the C endpoint ``endpoint``: send our receive
     tag ``msg_tag`` and control tag ``ctrl_tag``, receive the peer's.
 
-    Returns ``{"msg_tag": ..., "ctrl_tag": ...}`` of the peer. On any
+    Returns ``{"msg_tag": ..., "ctrl_tag": ..., "peer_pid": ...}`` of the
+    peer (``peer_pid``: (pid, start time) of a peer process on this host,
+    else None). On any
     failure the endpoint is aborted and a UCXError is raised:
     UCXTimedOutError if the peer stayed silent for ``connect_timeout``
     seconds, the typed transport error if the connection failed, a plain
@@ -141,7 +183,7 @@ async def exchange_peer_info(
     """
     if peer is None:
         peer = "the client" if listener else "the listener"
-    my_msg = pack(msg_tag, ctrl_tag)
+    my_msg = pack(msg_tag, ctrl_tag, flags=FLAG_IDENTITY) + liveness.identity()
     peer_buf = bytearray(MSG_SIZE)
     try:
         try:
@@ -161,8 +203,8 @@ async def exchange_peer_info(
                     f"{MSG_SIZE} bytes"
                 ) from e
             raise type(e)(f"handshake with {peer} failed: {e}") from e
-        info = unpack(peer_buf)
-        return {"msg_tag": info.recv_tag, "ctrl_tag": info.ctrl_tag}
+        info, peer_pid = decode_peer(peer_buf)
+        return {"msg_tag": info.recv_tag, "ctrl_tag": info.ctrl_tag, "peer_pid": peer_pid}
     except BaseException:
         try:
             endpoint.abort()

@@ -140,6 +140,7 @@ async def _listener_handler_coroutine(
             "msg_recv": msg_tag,
             "ctrl_send": peer_info.get("ctrl_tag"),
             "ctrl_recv": ctrl_tag,
+            "peer_pid": peer_info.get("peer_pid"),
         }
         try:
             ep = Endpoint(endpoint=endpoint, ctx=ctx, tags=tags)
