@@ -918,6 +918,57 @@ async def test_worker_killed_mid_computation():
     await _no_ucxx_tasks()
 
 
+def _lane_transports():
+    """The transports of this process's open ucxx endpoints (a worker's)."""
+    import ucxx.core
+
+    ctx = ucxx.core._ctx
+    return sorted({t for ep in list(ctx._endpoints) if ep.alive for t, _ in ep.transports})
+
+
+@pytest.mark.slow
+@T(300)
+@pytest.mark.asyncio
+async def test_local_cluster_on_shared_memory_survives_a_kill_during_shuffle():
+    """With the default settings the workers of one host talk shared memory
+    (a posix or sysv lane on their endpoints); a worker SIGKILLed during a
+    p2p shuffle leaves a computation that completes with the right result."""
+    pytest.importorskip("pandas")
+    pytest.importorskip("pyarrow")
+    import dask.dataframe as dd
+    import pandas as pd
+    from distributed import Client, LocalCluster
+
+    left, _right = _frames()
+    async with LocalCluster(
+        protocol=SCHEME,
+        n_workers=2,
+        threads_per_worker=1,
+        processes=True,
+        dashboard_address=":0",
+        asynchronous=True,
+    ) as cluster:
+        async with Client(cluster, asynchronous=True) as client:
+            await client.wait_for_workers(2)
+            ddl = dd.from_pandas(left, npartitions=8)
+            # Worker-to-worker traffic first, so that their endpoints exist.
+            await client.compute(ddl.shuffle("key", shuffle_method="p2p").to_delayed()[0])
+            lanes = await client.run(_lane_transports)
+            assert all({"posix", "sysv"} & set(t) for t in lanes.values()), lanes
+            pids = await client.run(os.getpid)
+            shuffled = ddl.map_partitions(
+                lambda df: (__import__("time").sleep(0.2), df)[1], meta=left.iloc[:0]
+            ).shuffle("key", shuffle_method="p2p")
+            fut = client.compute(shuffled.to_delayed())
+            await asyncio.sleep(0.5)
+            os.kill(sorted(pids.values())[0], signal.SIGKILL)
+            parts = await asyncio.wait_for(client.gather(fut), 180)
+            pd.testing.assert_frame_equal(
+                _sorted(pd.concat(parts), ["key", "a"]), _sorted(left, ["key", "a"])
+            )
+    await _no_ucxx_tasks()
+
+
 def _count_fds():
     return len(os.listdir("/proc/self/fd"))
 

@@ -85,11 +85,15 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "connect-timeout": None,
     # Any other UCX option, {"rndv-thresh": "8K"} -> UCX_RNDV_THRESH=8K.
     "environment": {},
-    # UCX peer-failure handling on endpoints. With it UCX only uses
-    # transports that can report a dead peer (between processes of one
-    # host: TCP, not shared memory); without it shared memory and CMA are
-    # used, but a dead peer may go unnoticed by UCX.
+    # UCX peer-failure handling on endpoints. With it UCX uses only
+    # transports that can report a dead peer; without it shared memory and
+    # CMA are used, but a dead peer may go unnoticed.
     "error-handling": True,
+    # Shared memory between processes of one host, with error handling
+    # (UCX_MM_ERROR_HANDLING=y): a dead peer process is reported by its
+    # pidfd and the slot a dead sender left half-written in a shared-memory
+    # FIFO is skipped (docs/RELIABILITY.md). False: tcp over loopback.
+    "shared-memory": True,
     # Upper bound on the frame count of one received message (sanity check
     # of the header; a bigger count aborts the comm).
     "max-frames": 1 << 24,
@@ -118,6 +122,8 @@ def _ucx_options() -> dict[str, str]:
     prio = _config("sockaddr-tls-priority")
     if prio:
         options["SOCKADDR_TLS_PRIORITY"] = prio if isinstance(prio, str) else ",".join(prio)
+    if _config("shared-memory") and _config("error-handling"):
+        options.setdefault("MM_ERROR_HANDLING", "y")
     return options
 
 
