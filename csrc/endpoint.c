@@ -1069,7 +1069,17 @@ Endpoint_get_transports(EndpointObject *ep, void *closure)
     return out;
 }
 
+static PyObject *
+Endpoint_get_shm_peer_pid(EndpointObject *ep, void *closure)
+{
+    return PyLong_FromLong((long)ep->shm_peer_pid);
+}
+
 static PyGetSetDef Endpoint_getset[] = {
+    {"_shm_peer_pid", (getter)Endpoint_get_shm_peer_pid, NULL,
+     "From a worker address: the pid of the process whose shared-memory\n"
+     "FIFO UCX attached for this endpoint (its pidfd is watched); 0.",
+     NULL},
     {"transports", (getter)Endpoint_get_transports, NULL,
      "((transport, device), ...) UCX uses, one per lane; () once closed.",
      NULL},

@@ -1,7 +1,9 @@
 /*
- * shm.c - the watch over this process's UCX shared-memory receive FIFOs.
- * Owns the worker's watch timer and its table of stuck slots (fields of
- * WorkerObject); worker close cancels the timer.  The FIFOs are UCX's.
+ * shm.c - UCX's shared-memory receive FIFOs mapped in this process: the
+ * watch over this process's own after a peer error, and the peer an
+ * endpoint from a worker address attached.  Owns the worker's watch timer
+ * and its table of stuck slots (fields of WorkerObject); worker close
+ * cancels the timer.  The FIFOs are UCX's.
  *
  * A shared-memory sender reserves a slot of the receiver's FIFO (moves the
  * FIFO head), writes the message, then flips the slot's owner bit.  A
@@ -10,16 +12,19 @@
  * a peer error the worker looks at its FIFOs for a while; a slot reserved
  * but unwritten for UCXX_SHM_STUCK_US is written as an empty message with
  * an active-message id UCP has no handler for (UCT drops it), and the
- * FIFO moves on.  The FIFO layout is UCX's
- * (uct/sm/mm/base/mm_iface.h), unchanged from UCX 1.17 to 1.22; other
- * versions, and FIFOs of another geometry than UCX's default, are left
- * alone.  docs/RELIABILITY.md, "A dead sender's FIFO slot".
+ * FIFO moves on.  A FIFO's control block also names its owner: the peer
+ * FIFO that ucp_ep_create attaches names the process an endpoint from a
+ * worker address talks to (its pidfd is then watched, liveness.py).  The
+ * layout is UCX's (uct/sm/mm/base/mm_iface.h), unchanged from UCX 1.17 to
+ * 1.22; other versions, and FIFOs of another geometry than UCX's default,
+ * are left alone.  docs/RELIABILITY.md, "A dead sender's FIFO slot".
  */
 #include "ucxx.h"
 
 #include <stdio.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -42,13 +47,6 @@
 #define UCXX_SHM_PERIOD_S 0.25
 #define UCXX_SHM_WATCH_US 10000000.0
 
-/* uct_mm_fifo_element_t's first fields (packed). */
-typedef struct {
-    uint8_t flags;
-    uint8_t am_id;
-    uint16_t length;
-} fifo_elem_head;
-
 static size_t
 fifo_map_size(void)
 {
@@ -58,11 +56,11 @@ fifo_map_size(void)
     return (n + (size_t)page - 1) / (size_t)page * (size_t)page;
 }
 
-static volatile fifo_elem_head *
+/* Slot i's first byte (its flags; am_id and length follow). */
+static uintptr_t
 fifo_elem(uintptr_t fifo, uint64_t i)
 {
-    return (volatile fifo_elem_head *)(fifo + FIFO_CTL_SIZE +
-                                       (i % FIFO_SIZE) * FIFO_ELEM_SIZE);
+    return fifo + FIFO_CTL_SIZE + (i % FIFO_SIZE) * FIFO_ELEM_SIZE;
 }
 
 /* The owner bit of slot i once written in its lap. */
@@ -72,25 +70,90 @@ lap_bit(uint64_t i)
     return (unsigned)((i / FIFO_SIZE) & 1);
 }
 
-/* fifo (a mapping's start) is a receive FIFO of this process with the
- * default geometry: its control block names us, a unix socket, a head no
- * more than a FIFO ahead of the tail, and every slot's flags are UCX's. */
-static int
-fifo_is_ours(uintptr_t fifo)
-{
-    volatile uint64_t *head = (volatile uint64_t *)fifo;
-    uint64_t h = *head & ~FIFO_HEAD_ARMED;
-    uint64_t t = *(volatile uint64_t *)(fifo + FIFO_OFF_TAIL);
-    socklen_t alen = *(volatile socklen_t *)(fifo + 8);
-    sa_family_t fam = *(volatile sa_family_t *)(fifo + 12);
+/* What of a FIFO is looked at: the control block and every slot's flags.
+ * Memory is read (and written) with process_vm_readv/writev on this
+ * process: a mapping that goes away meanwhile (another worker's thread
+ * detaching a peer) is an error, not a crash. */
+typedef struct {
+    unsigned char ctl[FIFO_CTL_SIZE];
+    uint8_t flags[FIFO_SIZE];
+} fifo_view;
 
-    if (*(volatile pid_t *)(fifo + FIFO_OFF_PID) != getpid() ||
+static int
+mem_io(int write, uintptr_t addr, void *buf, size_t len)
+{
+    struct iovec local = {buf, len}, remote = {(void *)addr, len};
+    ssize_t n = write ? process_vm_writev(getpid(), &local, 1, &remote, 1, 0)
+                      : process_vm_readv(getpid(), &local, 1, &remote, 1, 0);
+
+    return n == (ssize_t)len ? 0 : -1;
+}
+
+static int
+fifo_read(uintptr_t fifo, fifo_view *v)
+{
+    struct iovec local[2], remote[1 + FIFO_SIZE];
+    ssize_t want = FIFO_CTL_SIZE + FIFO_SIZE;
+
+    local[0].iov_base = v->ctl;
+    local[0].iov_len = FIFO_CTL_SIZE;
+    local[1].iov_base = v->flags;
+    local[1].iov_len = FIFO_SIZE;
+    remote[0].iov_base = (void *)fifo;
+    remote[0].iov_len = FIFO_CTL_SIZE;
+    for (unsigned i = 0; i < FIFO_SIZE; i++) {
+        remote[1 + i].iov_base = (void *)fifo_elem(fifo, i);
+        remote[1 + i].iov_len = 1;
+    }
+    return process_vm_readv(getpid(), local, 2, remote, 1 + FIFO_SIZE, 0) ==
+                   want ? 0 : -1;
+}
+
+static uint64_t
+view_u64(const fifo_view *v, size_t off)
+{
+    uint64_t x;
+
+    memcpy(&x, v->ctl + off, sizeof(x));
+    return x;
+}
+
+static uint64_t
+view_head(const fifo_view *v)
+{
+    return view_u64(v, 0) & ~FIFO_HEAD_ARMED;
+}
+
+static pid_t
+view_pid(const fifo_view *v)
+{
+    pid_t pid;
+
+    memcpy(&pid, v->ctl + FIFO_OFF_PID, sizeof(pid));
+    return pid;
+}
+
+/* v is a receive FIFO with the default geometry, this process's (mine) or
+ * a peer's: its control block names us (or another process), a unix
+ * socket, a head no more than a FIFO ahead of the tail, and every slot's
+ * flags are UCX's. */
+static int
+view_is_fifo(const fifo_view *v, int mine)
+{
+    uint64_t h = view_head(v), t = view_u64(v, FIFO_OFF_TAIL);
+    pid_t pid = view_pid(v);
+    socklen_t alen;
+    sa_family_t fam;
+
+    memcpy(&alen, v->ctl + 8, sizeof(alen));
+    memcpy(&fam, v->ctl + 12, sizeof(fam));
+    if ((mine ? pid != getpid() : (pid <= 0 || pid == getpid())) ||
         fam != AF_UNIX || alen > sizeof(struct sockaddr_un) || t > h ||
         h - t > FIFO_SIZE) {
         return 0;
     }
-    for (uint64_t i = 0; i < FIFO_SIZE; i++) {
-        if (fifo_elem(fifo, i)->flags & ~(ELEM_FLAG_OWNER | ELEM_FLAG_INLINE)) {
+    for (unsigned i = 0; i < FIFO_SIZE; i++) {
+        if (v->flags[i] & ~(ELEM_FLAG_OWNER | ELEM_FLAG_INLINE)) {
             return 0;
         }
     }
@@ -100,30 +163,32 @@ fifo_is_ours(uintptr_t fifo)
 /* The first slot below the head that is reserved but not written, or
  * UINT64_MAX. */
 static uint64_t
-fifo_first_unwritten(uintptr_t fifo)
+view_first_unwritten(const fifo_view *v)
 {
-    uint64_t h = *(volatile uint64_t *)fifo & ~FIFO_HEAD_ARMED;
+    uint64_t h = view_head(v);
     uint64_t i = h > FIFO_SIZE ? h - FIFO_SIZE : 0;
 
     for (; i < h; i++) {
-        if ((fifo_elem(fifo, i)->flags & ELEM_FLAG_OWNER) != lap_bit(i)) {
+        if ((v->flags[i % FIFO_SIZE] & ELEM_FLAG_OWNER) != lap_bit(i)) {
             return i;
         }
     }
     return UINT64_MAX;
 }
 
-/* This process's receive FIFOs (mapping starts), at most max; -1 if
- * /proc/self/maps cannot be read.  UCX maps them from /dev/shm
+/* The receive FIFOs mapped in this process (mapping starts into out,
+ * their owners' pids into pids), its own (mine) or its peers', at most
+ * max; -1 if /proc/self/maps cannot be read.  UCX maps them from /dev/shm
  * (ucx_shm_posix_*) or System V segments (/SYSV*); a FIFO attached twice
  * (an endpoint to ourselves) is listed twice, which is harmless. */
 static int
-fifo_find(uintptr_t *out, int max)
+fifo_find(uintptr_t *out, pid_t *pids, int max, int mine)
 {
     FILE *f = fopen("/proc/self/maps", "re");
     char line[512], path[256];
     unsigned long lo, hi;
     size_t want = fifo_map_size();
+    fifo_view v;
     int n = 0;
 
     if (f == NULL) {
@@ -135,30 +200,37 @@ fifo_find(uintptr_t *out, int max)
                    path) != 3 ||
             (strncmp(path, "/dev/shm/ucx_shm_posix_", 23) != 0 &&
              strncmp(path, "/SYSV", 5) != 0) ||
-            hi - lo != want || !fifo_is_ours(lo)) {
+            hi - lo != want || fifo_read(lo, &v) < 0 ||
+            !view_is_fifo(&v, mine)) {
             continue;
         }
-        out[n++] = lo;
+        out[n] = lo;
+        if (pids != NULL) {
+            pids[n] = view_pid(&v);
+        }
+        n++;
     }
     fclose(f);
     return n;
 }
 
 /* Write slot i of fifo as an empty message UCX drops, after checking once
- * more that it is still unwritten. */
+ * more that it is still unwritten: am_id and length first, then the
+ * flags with the owner bit of its lap. */
 static int
 fifo_skip(uintptr_t fifo, uint64_t i)
 {
-    volatile fifo_elem_head *e = fifo_elem(fifo, i);
+    uintptr_t e = fifo_elem(fifo, i);
+    uint8_t flags, rest[3] = {ELEM_AM_ID_NONE, 0, 0};
 
-    if ((e->flags & ELEM_FLAG_OWNER) == lap_bit(i)) {
+    if (mem_io(0, e, &flags, 1) < 0 ||
+        (flags & ELEM_FLAG_OWNER) == lap_bit(i) ||
+        mem_io(1, e + 1, rest, sizeof(rest)) < 0) {
         return 0;
     }
-    e->am_id = ELEM_AM_ID_NONE;
-    e->length = 0;
     __atomic_thread_fence(__ATOMIC_RELEASE);
-    e->flags = (uint8_t)(ELEM_FLAG_INLINE | lap_bit(i));
-    return 1;
+    flags = (uint8_t)(ELEM_FLAG_INLINE | lap_bit(i));
+    return mem_io(1, e, &flags, 1) == 0;
 }
 
 static void
@@ -222,19 +294,27 @@ layout_known(void)
 
 /* One look at the FIFOs (lock held): note the slots reserved and
  * unwritten, skip those stuck for UCXX_SHM_STUCK_US.  The number of slots
- * still stuck. */
+ * still stuck; -1 if the process has no FIFO to watch (no shared memory,
+ * another layout) or its maps cannot be read. */
 static int
 watch_once(WorkerObject *w)
 {
     uintptr_t fifos[UCXX_SHM_FIFOS_MAX];
-    int n = fifo_find(fifos, UCXX_SHM_FIFOS_MAX), nstuck = 0, skipped = 0;
+    int n = fifo_find(fifos, NULL, UCXX_SHM_FIFOS_MAX, 1), nstuck = 0;
+    int skipped = 0;
+    fifo_view v;
     double now = ucxx_now_us();
 
+    if (n <= 0) {
+        w->shm_nstuck = 0;
+        return -1;
+    }
     for (int k = 0; k < n; k++) {
-        uint64_t i = fifo_first_unwritten(fifos[k]);
+        uint64_t i;
         double since = now;
 
-        if (i == UINT64_MAX) {
+        if (fifo_read(fifos[k], &v) < 0 ||
+            (i = view_first_unwritten(&v)) == UINT64_MAX) {
             continue;
         }
         for (int s = 0; s < w->shm_nstuck; s++) {
@@ -307,7 +387,7 @@ ucxx_shm_watch(WorkerObject *w, PyObject *unused)
     ucxx_lock(w);
     nstuck = watch_once(w);
     ucxx_unlock(w);
-    if ((nstuck > 0 || ucxx_now_us() < w->shm_watch_until) &&
+    if (nstuck >= 0 && (nstuck > 0 || ucxx_now_us() < w->shm_watch_until) &&
         watch_schedule(w) < 0) {
         return NULL;
     }
@@ -331,4 +411,43 @@ ucxx_shm_watch_stop(WorkerObject *w)
         Py_XDECREF(res);
         Py_DECREF(timer);
     }
+}
+
+/* The peers' FIFOs this process has attached, into before (at most max);
+ * -1 where the layout is not known or the maps cannot be read. */
+int
+ucxx_shm_peer_fifos(uintptr_t *before, int max)
+{
+    return layout_known() ? fifo_find(before, NULL, max, 0) : -1;
+}
+
+/* After ucp_ep_create: the pid of the one peer whose FIFO was attached
+ * since ucxx_shm_peer_fifos gave before[0..n) (the endpoint talks shared
+ * memory to it), or 0 if none, several, or n says the snapshot failed. */
+pid_t
+ucxx_shm_new_peer(const uintptr_t *before, int n, int max)
+{
+    uintptr_t after[UCXX_SHM_PEERS_MAX];
+    pid_t pids[UCXX_SHM_PEERS_MAX], found = 0;
+    int m;
+
+    if (n < 0 || n >= max) {
+        return 0;
+    }
+    m = fifo_find(after, pids, UCXX_SHM_PEERS_MAX, 0);
+    for (int i = 0; i < m; i++) {
+        int old = 0;
+
+        for (int k = 0; k < n; k++) {
+            old |= before[k] == after[i];
+        }
+        if (old) {
+            continue;
+        }
+        if (found != 0 && found != pids[i]) {
+            return 0;
+        }
+        found = pids[i];
+    }
+    return found;
 }

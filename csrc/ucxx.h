@@ -281,8 +281,10 @@ enum {
 };
 #define UCXX_THREADED(w) ((w)->mode >= UCXX_MODE_THREAD)
 
-/* Shared-memory receive FIFOs of one process a worker watches (shm.c). */
+/* Shared-memory receive FIFOs of one process a worker watches, and peers'
+ * FIFOs looked at when an endpoint is made from a worker address (shm.c). */
 #define UCXX_SHM_FIFOS_MAX 16
+#define UCXX_SHM_PEERS_MAX 256
 
 /* Worker: wraps ucp_worker_h and drives it from one event loop at a time. */
 struct WorkerObject {
@@ -479,6 +481,8 @@ struct EndpointObject {
     int close_cb_done;           /* close callback already scheduled */
     int poisoned;                /* a gather failed/cancelled mid-stream */
     int peer_closed;             /* the peer said it closed (_close_by_peer) */
+    pid_t shm_peer_pid;          /* from a worker address: the process whose
+                                    shared-memory FIFO it attached; 0 */
     int closing;                 /* this side began a graceful close */
     PyObject *close_cb;          /* strong */
     PyObject *close_req;         /* strong: the Request of a graceful close */
@@ -589,6 +593,10 @@ enum { UCXX_SPIN_DONE, UCXX_SPIN_SLEEP, UCXX_SPIN_YIELD };
 void ucxx_shm_peer_failed(WorkerObject *w);
 PyObject *ucxx_shm_watch(WorkerObject *w, PyObject *unused);
 void ucxx_shm_watch_stop(WorkerObject *w);
+/* The pid of the shared-memory peer an endpoint from a worker address
+ * attached: snapshot the peers' FIFOs, create, compare. */
+int ucxx_shm_peer_fifos(uintptr_t *before, int max);
+pid_t ucxx_shm_new_peer(const uintptr_t *before, int n, int max);
 void ucxx_worker_touched(WorkerObject *w);
 int ucxx_worker_dispatch(WorkerObject *w);
 unsigned ucxx_worker_drain(WorkerObject *w, unsigned budget);

@@ -669,9 +669,10 @@ Worker_ep_from_address(WorkerObject *w, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"address", "error_handling", NULL};
     Py_buffer addr;
-    int eh = 1;
+    int eh = 1, npeers;
     ucp_ep_params_t params = {0};
-    PyObject *ep;
+    EndpointObject *ep;
+    uintptr_t peers[UCXX_SHM_PEERS_MAX];
 
     if (!PyArg_ParseTupleAndKeywords(args, kw, "y*|p:ep_from_address", kwlist,
                                      &addr, &eh)) {
@@ -685,9 +686,19 @@ Worker_ep_from_address(WorkerObject *w, PyObject *args, PyObject *kw)
     }
     params.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
     params.address = addr.buf;
-    ep = (PyObject *)ucxx_endpoint_new(w, &params, eh);
+    /* No handshake names the peer: the shared-memory FIFO UCX attaches
+     * for the endpoint does (its pid, for the pidfd watch).  The lock keeps
+     * the progress thread from attaching another meanwhile. */
+    ucxx_lock(w);
+    npeers = eh ? ucxx_shm_peer_fifos(peers, UCXX_SHM_PEERS_MAX) : -1;
+    ep = ucxx_endpoint_new(w, &params, eh);
+    if (ep != NULL && ep->error_handling) {
+        ep->shm_peer_pid = ucxx_shm_new_peer(peers, npeers,
+                                             UCXX_SHM_PEERS_MAX);
+    }
+    ucxx_unlock(w);
     PyBuffer_Release(&addr);
-    return ep;
+    return (PyObject *)ep;
 }
 
 PyDoc_STRVAR(Worker_ep_from_sockaddr_doc,

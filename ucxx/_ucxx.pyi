@@ -273,6 +273,10 @@ class Endpoint:
     @property
     def peer_closed(self) -> bool: ...
     @property
+    def _shm_peer_pid(self) -> int:
+        """From a worker address: the pid of the process whose shared-memory
+        FIFO UCX attached for this endpoint (its pidfd is watched); 0."""
+    @property
     def transports(self) -> tuple[tuple[str, str], ...]:
         """(transport, device) UCX uses for this endpoint, one per lane
         (``ucp_ep_query``); ``()`` once closed. Shared memory shows as

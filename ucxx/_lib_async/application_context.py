@@ -16,7 +16,7 @@ import weakref
 from .. import _ucxx
 from ..exceptions import UCXError
 from ..types import Tag
-from . import multi
+from . import liveness, multi
 from .endpoint import Endpoint, TagProbeResult, _probe_handle
 from .exchange_peer_info import exchange_peer_info, new_tag
 from .listener import ActiveClients, Listener, _ListenerState
@@ -479,7 +479,9 @@ class ApplicationContext:
         addr = _address_bytes(address)
         self.continuous_ucx_progress()
         c_ep = self.worker.ep_from_address(addr, error_handling=bool(endpoint_error_handling))
-        return Endpoint(c_ep, self)
+        # A peer on shared memory is named by its FIFO (no handshake here).
+        peer = liveness.current(c_ep._shm_peer_pid) if c_ep._shm_peer_pid else None
+        return Endpoint(c_ep, self, {"peer_pid": peer} if peer else None)
 
     async def recv(self, buffer, tag):
         """Receive on the worker (from any endpoint) into ``buffer``, tag

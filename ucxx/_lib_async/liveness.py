@@ -3,8 +3,11 @@
 The connection handshake carries an identity block (docs/PROTOCOL.md,
 "Identity"): the sender's pid, its start time and a digest of the host's
 boot id and the sender's pid namespace. Where the digest matches ours, the
-pid names a process this one can see: the endpoint opens a pidfd on it and
-watches it with the event loop's ``add_reader``. When the peer exits (killed
+pid names a process this one can see. An endpoint from a worker address
+has no handshake; over shared memory the FIFO UCX attached for it names
+the peer (``Endpoint._shm_peer_pid``, csrc/shm.c). Either way the endpoint
+opens a pidfd on the peer and watches it with the event loop's
+``add_reader``. When the peer exits (killed
 included; a zombie counts as exited) the endpoint fails as on a UCX peer
 error (``UCXConnectionResetError`` for every pending operation), which UCX's
 own keepalive reports only after a second or more, and over shared memory
@@ -56,11 +59,24 @@ def _checksum(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=8, person=_PERSON).digest()
 
 
+_own_cache: dict = {}  # pid -> (identity block, host digest)
+
+
+def _own() -> tuple[bytes, bytes]:
+    """This process's identity block and host digest, read once (per pid:
+    a forked child is another process)."""
+    pid = os.getpid()
+    own = _own_cache.get(pid)
+    if own is None:
+        host = _host_digest()
+        body = _IDENT_BODY.pack(IDENT_MAGIC, pid, _start_time("self") or 0, host)
+        own = _own_cache[pid] = (body + _checksum(body), host)
+    return own
+
+
 def identity() -> bytes:
     """This process's identity block (pid, start time, host digest)."""
-    pid = os.getpid()
-    body = _IDENT_BODY.pack(IDENT_MAGIC, pid, _start_time("self") or 0, _host_digest())
-    return body + _checksum(body)
+    return _own()[0]
 
 
 def peer_pid(data: bytes | bytearray | memoryview) -> tuple[int, int] | None:
@@ -73,9 +89,16 @@ def peer_pid(data: bytes | bytearray | memoryview) -> tuple[int, int] | None:
         raise ValueError(f"bad identity magic {magic!r} (expected {IDENT_MAGIC!r})")
     if checksum != _checksum(data[: _IDENT_BODY.size]):
         raise ValueError("identity checksum mismatch")
-    if host == _NO_HOST or host != _host_digest() or pid <= 0 or start == 0:
+    if host == _NO_HOST or host != _own()[1] or pid <= 0 or start == 0:
         return None
     return pid, start
+
+
+def current(pid: int) -> tuple[int, int] | None:
+    """(pid, start time) of a live process of this pid namespace (one an
+    endpoint from a worker address talks shared memory to), or None."""
+    start = _start_time(pid)
+    return (pid, start) if start else None
 
 
 def watch(loop, pid: int, start: int, on_exit):
