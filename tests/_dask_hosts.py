@@ -56,6 +56,9 @@ def base_env(extra: dict | None = None) -> dict:
     env["DASK_DISTRIBUTED__SCHEDULER__WORK_STEALING"] = "False"
     env["DASK_DISTRIBUTED__WORKER__PROFILE__ENABLED"] = "False"
     env["DASK_DISTRIBUTED__ADMIN__SYSTEM_MONITOR__GIL__ENABLED"] = "False"
+    # The hosts share one kernel: UCX would reach across them through shared
+    # memory, around the links the tests take down. Real hosts share none.
+    env["DASK_DISTRIBUTED__COMM__UCXX__SHARED_MEMORY"] = "False"
     if os.environ.get("UCXX_TEST_EVENT_LOOP") == "uvloop":
         env["DASK_DISTRIBUTED__ADMIN__EVENT_LOOP"] = "uvloop"
     env.update({k: str(v) for k, v in (extra or {}).items()})
