@@ -827,6 +827,14 @@ def _frames():
     return left, right
 
 
+def _local_cluster(processes: bool = True):
+    """A LocalCluster of two one-thread workers on this package's scheme."""
+    from distributed import LocalCluster
+
+    return LocalCluster(protocol=SCHEME, n_workers=2, threads_per_worker=1,
+                        processes=processes, dashboard_address=":0", asynchronous=True)
+
+
 def _sorted(df, by):
     return df.sort_values(by).reset_index(drop=True)
 
@@ -839,18 +847,11 @@ async def test_local_cluster_merge_and_shuffle():
     pytest.importorskip("pyarrow")
     import dask.dataframe as dd
     import pandas as pd
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     left, right = _frames()
     expected = _sorted(left.merge(right, on="key"), ["key", "a"])
-    async with LocalCluster(
-        protocol=SCHEME,
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        dashboard_address=":0",
-        asynchronous=True,
-    ) as cluster:
+    async with _local_cluster() as cluster:
         assert cluster.scheduler_address.startswith(f"{SCHEME}://")
         async with Client(cluster, asynchronous=True) as client:
             await client.wait_for_workers(2)
@@ -890,16 +891,9 @@ def _slow_inc(x, delay=0.05):
 @T(240)
 @pytest.mark.asyncio
 async def test_worker_killed_mid_computation():
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
-    async with LocalCluster(
-        protocol=SCHEME,
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        dashboard_address=":0",
-        asynchronous=True,
-    ) as cluster:
+    async with _local_cluster() as cluster:
         async with Client(cluster, asynchronous=True) as client:
             pids = await client.run(os.getpid)
             futures = client.map(_slow_inc, range(60), pure=False)
@@ -937,17 +931,10 @@ async def test_local_cluster_on_shared_memory_survives_a_kill_during_shuffle():
     pytest.importorskip("pyarrow")
     import dask.dataframe as dd
     import pandas as pd
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     left, _right = _frames()
-    async with LocalCluster(
-        protocol=SCHEME,
-        n_workers=2,
-        threads_per_worker=1,
-        processes=True,
-        dashboard_address=":0",
-        asynchronous=True,
-    ) as cluster:
+    async with _local_cluster() as cluster:
         async with Client(cluster, asynchronous=True) as client:
             await client.wait_for_workers(2)
             ddl = dd.from_pandas(left, npartitions=8)
@@ -992,17 +979,10 @@ async def test_cluster_start_stop_no_leaks():
     """Start and stop a ucxx cluster 20 times in one process: after each
     stop, threads, native threads, fds and asyncio tasks are back to what
     they were after the first one."""
-    from distributed import Client, LocalCluster
+    from distributed import Client
 
     async def cycle():
-        async with LocalCluster(
-            protocol=SCHEME,
-            n_workers=2,
-            threads_per_worker=1,
-            processes=False,
-            dashboard_address=":0",
-            asynchronous=True,
-        ) as cluster:
+        async with _local_cluster(processes=False) as cluster:
             async with Client(cluster, asynchronous=True) as client:
                 fut = client.submit(_slow_inc, 1, delay=0, pure=False)
                 assert await fut == 2

@@ -120,7 +120,11 @@ def watch(loop, pid: int, start: int, on_exit):
         os.close(fd)
         on_exit()
         return None
-    loop.add_reader(fd, on_exit)
+    try:
+        loop.add_reader(fd, on_exit)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
