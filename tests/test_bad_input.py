@@ -329,14 +329,19 @@ async def _(env):
      "the only reference to a pending send's buffer dropped (+ gc)", None)
 async def _(env):
     ep, sep = await env.pair()
-    buf = _Buf(b"q" * (4 << 20))
+    # 16 MiB: a rendezvous, pending until the receive is posted (a smaller,
+    # eager send may complete at once into the socket buffers, and then
+    # nothing reads the buffer any more).
+    n = 16 << 20
+    buf = _Buf(b"q" * n)
     ref = weakref.ref(buf)
     s = ep.send(buf)
     del buf
     gc.collect()
+    assert not s.done()
     assert ref() is not None, "the package let go of a buffer UCX reads from"
-    out = bytearray(4 << 20)
-    assert await sep.recv(out) == 4 << 20 and out[:1] == b"q" and out[-1:] == b"q"
+    out = bytearray(n)
+    assert await sep.recv(out) == n and out[:1] == b"q" and out[-1:] == b"q"
     await s
     del s
     gc.collect()
