@@ -220,6 +220,77 @@ ucxx_worker_service(WorkerObject *w, int drained)
 
 /* ---- the readers the loop runs ----------------------------------------- */
 
+/* Following a large transfer: progress until UCX callbacks recorded work
+ * (FOLLOW_WORK), UCXX_FOLLOW_IDLE_US pass without an event (FOLLOW_IDLE)
+ * or slice_end comes (FOLLOW_SLICE).  The clock is read every 8 calls. */
+enum { FOLLOW_WORK, FOLLOW_IDLE, FOLLOW_SLICE };
+
+static int
+follow_run(WorkerObject *w, double slice_end)
+{
+    double now, last = ucxx_now_us();
+    unsigned i = 0;
+
+    for (;;) {
+        if (ucp_worker_progress(w->handle) != 0) {
+            last = 0.0;         /* stamped at the next clock reading */
+            if (has_work(w)) {
+                return FOLLOW_WORK;
+            }
+        }
+        if ((++i & 7) == 0) {
+            now = ucxx_now_us();
+            if (last == 0.0) {
+                last = now;
+            } else if (now - last >= UCXX_FOLLOW_IDLE_US) {
+                return FOLLOW_IDLE;
+            }
+            if (now >= slice_end) {
+                return FOLLOW_SLICE;
+            }
+        }
+    }
+}
+
+/* 0 once UCXX_FOLLOW_MAX_US passed since following began without a large
+ * request settling (request.c resets follow_since): a transfer that makes
+ * no progress, to a peer UCX has not found dead yet, is then waited for on
+ * the fd like any other, and the loop does not spin on it. */
+static int
+follow_allowed(WorkerObject *w, double now)
+{
+    if (w->follow_since == 0.0) {
+        w->follow_since = now;
+        return 1;
+    }
+    if (now - w->follow_since < UCXX_FOLLOW_MAX_US) {
+        return 1;
+    }
+    if (!w->follow_stopped) {
+        w->follow_stopped = 1;
+        w->follow_stops++;
+    }
+    return 0;
+}
+
+/* The fd reader, a large transfer in flight and the worker drained: follow
+ * it.  1 if it dispatched and queued _rearm (the loop gets its turn, then
+ * the drain and arm); 0 if it went idle: arm as usual. */
+static int
+follow_from_reader(WorkerObject *w)
+{
+    if (!follow_allowed(w, w->dispatched_at)) {
+        return 0;
+    }
+    w->follows++;
+    if (follow_run(w, w->dispatched_at + UCXX_SLICE_US) == FOLLOW_IDLE) {
+        return 0;
+    }
+    ucxx_worker_dispatch(w);
+    schedule_rearm(w);
+    return 1;
+}
+
 PyObject *
 ucxx_worker_on_efd(WorkerObject *w, PyObject *unused)
 {
@@ -242,6 +313,9 @@ ucxx_worker_on_efd(WorkerObject *w, PyObject *unused)
             schedule_rearm(w);
             Py_RETURN_NONE;
         }
+    }
+    if (w->large_pending > 0 && !UCXX_THREADED(w) && follow_from_reader(w)) {
+        Py_RETURN_NONE;
     }
     /* Dispatching may have called UCX: drain once more before the arm. */
     if (ucxx_worker_service(w, ucxx_worker_dispatch(w) == 0) < 0) {
@@ -337,7 +411,7 @@ PyObject *
 ucxx_slice_yield(WorkerObject *w)
 {
     ucxx_state *st = w->st;
-    PyObject *fut, *set, *res, *running;
+    PyObject *fut, *res, *running;
 
     w->slice_start = 0.0;
     w->slice_yields++;
@@ -357,14 +431,8 @@ ucxx_slice_yield(WorkerObject *w)
     if (fut == NULL) {
         return NULL;
     }
-    set = PyObject_GetAttr(fut, st->s_set_result);
-    if (set == NULL) {
-        Py_DECREF(fut);
-        return NULL;
-    }
-    res = PyObject_CallMethodObjArgs(w->loop, st->s_call_later, st->zero, set,
-                                     Py_None, NULL);
-    Py_DECREF(set);
+    res = PyObject_CallMethodObjArgs(w->loop, st->s_call_later, st->zero,
+                                     st->slice_wake, fut, NULL);
     if (res == NULL || PyObject_SetAttr(fut, st->s_blocking, Py_True) < 0) {
         Py_XDECREF(res);
         Py_DECREF(fut);
@@ -577,6 +645,51 @@ ucxx_busy_step(RequestObject *r, int resumed)
     }
     return w->loop_busy && w->handle != NULL ? UCXX_SPIN_YIELD
                                              : UCXX_SPIN_SLEEP;
+}
+
+/*
+ * An await of a large request r (blocking and polling mode): follow the
+ * transfer.  UCXX_SPIN_DONE if r completed, UCXX_SPIN_YIELD if the slice
+ * is spent (the loop gets one turn, then the await follows on),
+ * UCXX_SPIN_SLEEP once UCXX_FOLLOW_IDLE_US passed without an event or the
+ * progress woke another task.
+ */
+int
+ucxx_follow(RequestObject *r)
+{
+    WorkerObject *w = r->worker;
+    unsigned long wakeups = w->wakeups;
+    double slice_end;
+
+    if (w->handle == NULL) {
+        return UCXX_SPIN_SLEEP;
+    }
+    if (w->slice_start == 0.0) {
+        w->slice_start = ucxx_now_us();
+    }
+    if (!follow_allowed(w, w->slice_start)) {
+        return UCXX_SPIN_SLEEP;
+    }
+    slice_end = w->slice_start + UCXX_SLICE_US;
+    w->follows++;
+    ucxx_worker_touched(w);
+    for (;;) {
+        switch (follow_run(w, slice_end)) {
+        case FOLLOW_IDLE:
+            return UCXX_SPIN_SLEEP;
+        case FOLLOW_SLICE:
+            return UCXX_SPIN_YIELD;
+        }
+        ucxx_lock(w);
+        ucxx_worker_dispatch(w);
+        ucxx_unlock(w);
+        if (r->status != UCS_INPROGRESS) {
+            return UCXX_SPIN_DONE;
+        }
+        if (w->wakeups != wakeups) {
+            return UCXX_SPIN_SLEEP;
+        }
+    }
 }
 
 /*

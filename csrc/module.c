@@ -144,12 +144,39 @@ PyDoc_STRVAR(status_exception_doc,
 "The exception instance a UCX error status (a negative ucs_status_t)\n"
 "becomes: the one mapping of csrc/status.c.");
 
+/* The timer callback of a slice yield (engine.c): the awaiting task may
+ * have been cancelled meanwhile (asyncio.run cancelling every task on
+ * exit), and set_result on its cancelled future would raise in the loop. */
+static PyObject *
+slice_wake(PyObject *module, PyObject *fut)
+{
+    ucxx_state *st = PyModule_GetState(module);
+    PyObject *done = PyObject_CallMethodObjArgs(fut, st->s_done, NULL);
+    int is_done;
+
+    if (done == NULL) {
+        return NULL;
+    }
+    is_done = PyObject_IsTrue(done);
+    Py_DECREF(done);
+    if (is_done < 0) {
+        return NULL;
+    }
+    if (is_done) {
+        Py_RETURN_NONE;
+    }
+    return PyObject_CallMethodObjArgs(fut, st->s_set_result, Py_None, NULL);
+}
+
 static PyMethodDef module_methods[] = {
     {"get_ucx_version", get_ucx_version, METH_NOARGS, get_ucx_version_doc},
     {"get_config", (PyCFunction)(void (*)(void))ucxx_get_config,
      METH_VARARGS | METH_KEYWORDS, get_config_doc},
     {"_status_exception", ucxx_status_exception, METH_O,
      status_exception_doc},
+    {"_slice_wake", slice_wake, METH_O,
+     "_slice_wake($module, fut, /)\n--\n\n"
+     "Resolve a slice yield's future unless it is done (cancelled)."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -214,12 +241,13 @@ module_exec(PyObject *m)
                                                    "InvalidStateError");
     st->BaseEventLoop = PyObject_GetAttrString(asyncio, "BaseEventLoop");
     st->Future = PyObject_GetAttrString(asyncio, "Future");
+    st->slice_wake = PyObject_GetAttrString(m, "_slice_wake");
     st->empty_tuple = PyTuple_New(0);
     st->zero = PyLong_FromLong(0);
     if (st->get_running_loop == NULL || st->CancelledError == NULL ||
         st->InvalidStateError == NULL ||
         st->BaseEventLoop == NULL || st->Future == NULL ||
-        st->empty_tuple == NULL || st->zero == NULL) {
+        st->empty_tuple == NULL || st->zero == NULL || st->slice_wake == NULL) {
         goto error;
     }
 
@@ -287,6 +315,7 @@ module_traverse(PyObject *m, visitproc visit, void *arg)
         Py_VISIT(st->exc[i]);
     }
     Py_VISIT(st->get_running_loop);
+    Py_VISIT(st->slice_wake);
     Py_VISIT(st->CancelledError);
     Py_VISIT(st->InvalidStateError);
     Py_VISIT(st->BaseEventLoop);
@@ -311,6 +340,7 @@ module_clear(PyObject *m)
         Py_CLEAR(st->exc[i]);
     }
     Py_CLEAR(st->get_running_loop);
+    Py_CLEAR(st->slice_wake);
     Py_CLEAR(st->CancelledError);
     Py_CLEAR(st->InvalidStateError);
     Py_CLEAR(st->BaseEventLoop);

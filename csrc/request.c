@@ -57,6 +57,7 @@ ucxx_request_new(WorkerObject *w, EndpointObject *ep, int kind,
     r->future = NULL;
     r->wait_start = 0.0;
     r->slice_yielded = 0;
+    r->large = 0;
     r->busy_yield_at = 0.0;
     r->next_done = NULL;
     ucxx_list_init(&r->wlink);
@@ -138,11 +139,33 @@ ucxx_request_track(RequestObject *r, ucxx_op *op, ucs_status_ptr_t sp)
     op->ucp_req = sp;
     r->npending++;
     if (!r->self_ref) {
+        size_t nbytes = 0;
+
         Py_INCREF((PyObject *)r);
         r->self_ref = 1;
         ucxx_list_add_tail(&r->worker->pending, &r->wlink);
+        for (Py_ssize_t i = 0; i < r->nbufs; i++) {
+            nbytes += r->bufs[i].len;
+        }
+        if (nbytes >= UCXX_FOLLOW_MIN && !r->large) {
+            r->large = 1;
+            r->worker->large_pending++;
+        }
     }
     return 0;
+}
+
+/* Off worker->pending (idempotent). */
+static void
+request_unlink(RequestObject *r)
+{
+    ucxx_list_del(&r->wlink);
+    if (r->large) {
+        r->large = 0;
+        r->worker->large_pending--;
+        r->worker->follow_since = 0.0;      /* engine.c: follow_allowed */
+        r->worker->follow_stopped = 0;
+    }
 }
 
 /* All operations are posted: if none is pending, complete right away. */
@@ -307,7 +330,7 @@ ucxx_request_dispatch(RequestObject *r)
         if (r->abandoned && r->npending == 0) {
             r->abandoned = 0;
             request_release(r);
-            ucxx_list_del(&r->wlink);
+            request_unlink(r);
             request_drop_self(r);
         }
         return;
@@ -340,7 +363,7 @@ ucxx_request_dispatch(RequestObject *r)
     if (status == UCS_ERR_CANCELED && r->fail_status != UCS_OK) {
         status = r->fail_status;
     }
-    ucxx_list_del(&r->wlink);
+    request_unlink(r);
     request_settle(r, status);
     request_drop_self(r);
 }
@@ -564,6 +587,14 @@ Request_am_send(RequestObject *r, PyObject *arg, PyObject **presult)
             goto yield;
         }
         goto done;
+    }
+    if (r->large && !UCXX_THREADED(w) && !w->loop_busy) {
+        switch (ucxx_follow(r)) {
+        case UCXX_SPIN_DONE:
+            goto done;
+        case UCXX_SPIN_YIELD:
+            goto yield;
+        }
     }
     if (w->spin_us > 0 && !(w->loop_busy && w->spin_auto)) {
         switch (ucxx_spin(r)) {
@@ -804,7 +835,7 @@ Request_dealloc(RequestObject *r)
     }
     PyMem_Free(r->iov);
     PyMem_Free(r->pack);
-    ucxx_list_del(&r->wlink);
+    request_unlink(r);
     ucxx_list_del(&r->elink);
     /* The free list is the module's: reached through the worker, which
      * holds the module (no type lookup per message, and none at

@@ -188,6 +188,7 @@ typedef struct {
     PyTypeObject *ProgressType;
     PyObject *exc[UCXX_EXC_COUNT];     /* strong: exception classes */
     PyObject *get_running_loop;        /* strong: asyncio.get_running_loop */
+    PyObject *slice_wake;              /* strong: this module's _slice_wake */
     PyObject *CancelledError;          /* strong: asyncio.CancelledError */
     PyObject *InvalidStateError;       /* strong: asyncio.InvalidStateError */
     PyObject *BaseEventLoop;           /* strong: asyncio.BaseEventLoop */
@@ -327,6 +328,14 @@ struct WorkerObject {
     unsigned spin_backoff_len;   /* auto: the next back-off's length */
     unsigned long spin_hits, spin_grows, spin_shrinks, slice_yields;
     unsigned long busy_polls;    /* busy-yield polls (the loop was busy) */
+    Py_ssize_t large_pending;    /* requests of UCXX_FOLLOW_MIN bytes or
+                                    more that UCX holds (RequestObject.large) */
+    unsigned long follows;       /* progress runs kept going for them */
+    double follow_since;         /* ucxx_now_us() of the first follow since
+                                    a large request last settled; 0: none */
+    int follow_stopped;          /* UCXX_FOLLOW_MAX_US passed: not followed
+                                    until a large request settles */
+    unsigned long follow_stops;  /* times that happened */
     unsigned long thread_id;     /* loop thread, valid while loop != NULL */
     unsigned long fork_gen;      /* ucxx_fork_generation at creation */
     PyObject *loop;              /* strong: attached event loop or NULL */
@@ -460,6 +469,7 @@ struct RequestObject {
                                     wait (spin, then sleep); 0: not yet */
     unsigned long sleep_calls;   /* ucxx_state.ucx_calls then */
     int slice_yielded;           /* gave the loop its turn (time slice) */
+    int large;                   /* counted in worker->large_pending */
     double busy_yield_at;        /* ucxx_now_us() when its await yielded
                                     to a busy loop; 0: it did not */
     RequestObject *next_done;    /* worker done list */
@@ -587,6 +597,16 @@ int ucxx_address_check(ucxx_state *st, const uint8_t *a, Py_ssize_t len);
 /* A loop iteration that ran other work this long is a busy loop's: the
  * worker is polled once per iteration instead of waiting for its fd. */
 #define UCXX_BUSY_GAP_US 100.0
+/* A transfer of UCXX_FOLLOW_MIN bytes or more takes many progress calls
+ * (fragments, FIFO slots freed by the peer): while one is in flight the
+ * worker is progressed until it completes, goes UCXX_FOLLOW_IDLE_US
+ * without an event, or the time slice is spent, instead of sleeping on
+ * the fd between pieces. */
+#define UCXX_FOLLOW_MIN (64 * 1024)
+#define UCXX_FOLLOW_IDLE_US 500.0
+/* ... and for at most this long without a large request settling (a
+ * 64 MiB transfer within a host takes 10-30 ms here). */
+#define UCXX_FOLLOW_MAX_US 200000.0
 enum { UCXX_SPIN_DONE, UCXX_SPIN_SLEEP, UCXX_SPIN_YIELD };
 /* shm.c: after a peer error, slots of this process's shared-memory
  * receive FIFOs that a dead sender reserved and never wrote are skipped. */
@@ -610,6 +630,7 @@ void ucxx_worker_resumed(WorkerObject *w);
 int ucxx_busy_step(RequestObject *r, int resumed);
 double ucxx_now_us(void);
 int ucxx_spin(RequestObject *r);
+int ucxx_follow(RequestObject *r);
 int ucxx_slice_spent(WorkerObject *w);
 PyObject *ucxx_slice_yield(WorkerObject *w);
 void ucxx_spin_feedback(RequestObject *r);

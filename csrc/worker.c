@@ -948,10 +948,11 @@ Worker_get_spin_auto(WorkerObject *w, void *closure)
 static PyObject *
 Worker_get_spin_stats(WorkerObject *w, void *closure)
 {
-    return Py_BuildValue("{sksksksksk}", "hits", w->spin_hits,
+    return Py_BuildValue("{sksksksksksksk}", "hits", w->spin_hits,
                          "grows", w->spin_grows, "shrinks", w->spin_shrinks,
                          "slice_yields", w->slice_yields,
-                         "busy_polls", w->busy_polls);
+                         "busy_polls", w->busy_polls, "follows", w->follows,
+                         "follow_stops", w->follow_stops);
 }
 
 static PyObject *

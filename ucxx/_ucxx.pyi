@@ -71,6 +71,8 @@ def get_ucx_version() -> tuple[int, int, int]:
 
 def _status_exception(status: int, /) -> UCXError:
     """The exception a UCX error status (negative ``ucs_status_t``) becomes."""
+def _slice_wake(fut: asyncio.Future[None], /) -> None:
+    """Resolve a slice yield's future unless it is done (cancelled)."""
 
 def get_config(options: dict[str, str] | None = None) -> dict[str, str]:
     """UCX configuration as ``{NAME: value}`` without the ``UCX_`` prefix,
@@ -162,8 +164,11 @@ class Worker:
     @property
     def spin_stats(self) -> dict[str, int]:
         """Counters of the spin policy: ``hits`` (awaits completed by a
-        spin), ``grows``, ``shrinks`` (of the auto budget) and
-        ``slice_yields`` (loop turns the time slice gave)."""
+        spin), ``grows``, ``shrinks`` (of the auto budget),
+        ``slice_yields`` (loop turns the time slice gave), ``busy_polls``,
+        ``follows`` (progress kept going for a transfer of 64 KiB or more
+        in flight) and ``follow_stops`` (following given up after 200 ms
+        without a large transfer settling)."""
     @property
     def shm_slots_skipped(self) -> int:
         """Slots of this process's shared-memory receive FIFOs that a dead
