@@ -504,10 +504,13 @@ async def test_busy_loop_polls_the_worker_and_stops_when_idle(mode):
             await busy.close()
         polls = s.w.spin_stats["busy_polls"]
         assert polls > 0 and busy.slices > 0, s.w.spin_stats
-        # idle loop: a few polls at most, then the fd again
+        # idle loop: polls in fewer than half the rounds, then the fd
+        # again.  A wake-up the kernel delays 100 µs (three threads on two
+        # cores in thread mode) also reads as a busy loop, so this bound is
+        # loose; the strict check is the pending receive below.
         for _ in range(200):
             assert await _echo_round(s.ep, buf, out) == 1
-        assert s.w.spin_stats["busy_polls"] - polls < 50, s.w.spin_stats
+        assert s.w.spin_stats["busy_polls"] - polls < 100, s.w.spin_stats
         r = s.ep.tag_recv(bytearray(8), 99)  # never sent
         await asyncio.sleep(0.05)
         polls = s.w.spin_stats["busy_polls"]
