@@ -45,9 +45,13 @@ TARGET_BLOCKING_VS_POLLING = 0.9
 
 def iterations(nbytes: int, target_s: float) -> int:
     """Round trips for a timed loop of about ``target_s`` at an assumed
-    5 µs + 5 GB/s one way."""
-    rt = 2 * (5e-6 + nbytes / 5e9)
-    return max(20, min(20000, int(target_s / rt)))
+    1 µs + 5 GB/s one way.  Small messages need many: a shared-memory
+    round trip of 1 µs over 20000 iterations is a 20 ms loop, and for its
+    first tens of milliseconds the kernel may still run both processes on
+    one CPU (a wake-up pulls the woken process to the waker's CPU), which
+    is 4x slower than two CPUs and not the steady state."""
+    rt = 2 * (1e-6 + nbytes / 5e9)
+    return max(20, min(200000, int(target_s / rt)))
 
 
 def package_ucx_options() -> dict:
