@@ -129,14 +129,15 @@ def test_init_env_takes_precedence(monkeypatch):
 def test_default_ucx_options(monkeypatch):
     """docs/DECISIONS.md: UCX keepalive every 1 s, also on tcp (the
     kernel's TCP keepalive off), a 30 s TCP user timeout (which bounds a
-    silent peer), 64K tcp send segments and eager messages below 8 MiB
-    within a host, each unless the caller's options or the environment set
-    it; UCX takes them."""
+    silent peer), 64K tcp send segments, eager messages below 8 MiB
+    within a host and 16K shared-memory segments, each unless the caller's
+    options or the environment set it; UCX takes them."""
     from ucxx._lib_async.application_context import effective_options
 
     defaults = {"KEEPALIVE_INTERVAL": "1s", "TCP_KEEPIDLE": "inf", "TCP_USER_TIMEOUT": "30s",
                 "TCP_CM_REUSEADDR": "y", "TCP_TX_SEG_SIZE": "64K",
-                "RNDV_THRESH": "intra:8m,inter:auto"}
+                "RNDV_THRESH": "intra:8m,inter:auto",
+                "POSIX_SEG_SIZE": "16K", "SYSV_SEG_SIZE": "16K"}
     for name in defaults:
         monkeypatch.delenv(f"UCX_{name}", raising=False)
     assert effective_options() == defaults
@@ -148,6 +149,7 @@ def test_default_ucx_options(monkeypatch):
     assert ucxx.core._ctx.options == {"TLS": "tcp", **opts}
     assert ucxx.get_config()["KEEPALIVE_INTERVAL"].startswith("1000000")
     assert ucxx.get_config()["RNDV_THRESH"].lower() == "intra:8m,inter:auto"
+    assert effective_options({"SYSV_SEG_SIZE": "8256"})["SYSV_SEG_SIZE"] == "8256"
 
 
 @pytest.mark.no_ctx
