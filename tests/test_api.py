@@ -154,6 +154,27 @@ def test_default_ucx_options(monkeypatch):
 
 @pytest.mark.no_ctx
 @pytest.mark.parametrize("where", ["options", "environment"])
+def test_shared_memory_segment_defaults_yield_to_mm_seg_size(monkeypatch, where):
+    """UCX's POSIX_SEG_SIZE and SYSV_SEG_SIZE inherit MM_SEG_SIZE: where the
+    caller sets that, the package's 16K is left out, so the caller's size
+    holds for both."""
+    from ucxx._lib_async.application_context import effective_options
+
+    for name in ("MM_SEG_SIZE", "POSIX_SEG_SIZE", "SYSV_SEG_SIZE"):
+        monkeypatch.delenv(f"UCX_{name}", raising=False)
+    options = {}
+    if where == "options":
+        options["MM_SEG_SIZE"] = "8256"
+    else:
+        monkeypatch.setenv("UCX_MM_SEG_SIZE", "8256")
+    opts = effective_options(options)
+    assert "POSIX_SEG_SIZE" not in opts and "SYSV_SEG_SIZE" not in opts
+    ucxx.init(options=options)      # UCX takes the inherited name
+    ucxx.reset()
+
+
+@pytest.mark.no_ctx
+@pytest.mark.parametrize("where", ["options", "environment"])
 def test_tcp_send_segment_default_yields_to_a_receive_segment(monkeypatch, where):
     """The 64K send segment is left to UCX where the caller sets the
     receive segment: a smaller one would make UCX refuse the worker."""

@@ -72,13 +72,22 @@ DEFAULT_UCX_OPTIONS = {
     # threshold stays.
     "RNDV_THRESH": "intra:8m,inter:auto",
     # Shared memory moves a message of more than one segment in segments of
-    # this size, each a FIFO slot and a copy on both sides. UCX's 8K (8256
-    # bytes) makes 8 KiB-64 MiB copy-bound on slot handling; 16K moves
-    # them 3-12 % faster (64 KiB 0.97x, 1 MiB 0.97x, 64 MiB 0.91x the
-    # time) at the same 1 B latency, for 4 MiB more shared memory per
-    # worker. 32K loses at 64 KiB; 64K hangs UCX at 1 MiB.
+    # this size, each a FIFO slot and a copy on both sides. With UCX's 8256
+    # bytes slot handling bounds 8 KiB-64 MiB; 16K moves them 3-12 % faster
+    # (64 KiB 0.97x, 1 MiB 0.97x, 64 MiB 0.91x the time) at the same 1 B
+    # latency, for 4 MiB more shared memory per worker. 32K loses at
+    # 64 KiB; 64K hangs UCX at 1 MiB.
     "POSIX_SEG_SIZE": "16K",
     "SYSV_SEG_SIZE": "16K",
+}
+
+# A default left to UCX where the caller sets one of these options:
+# UCX refuses a tcp send segment above the receive segment, and
+# POSIX_SEG_SIZE and SYSV_SEG_SIZE inherit UCX's MM_SEG_SIZE.
+DEFAULT_YIELDS_TO = {
+    "TCP_TX_SEG_SIZE": ("TCP_RX_SEG_SIZE",),
+    "POSIX_SEG_SIZE": ("MM_SEG_SIZE",),
+    "SYSV_SEG_SIZE": ("MM_SEG_SIZE",),
 }
 
 # Instead of TCP_KEEPIDLE=inf where the loaded UCX has no TCP_USER_TIMEOUT
@@ -129,13 +138,11 @@ def effective_options(options=None) -> dict[str, str]:
     """``options`` plus this package's defaults for the options that neither
     ``options`` nor the environment set and that the loaded UCX has."""
     opts = _normalize_options(options)
-    rx_set = "TCP_RX_SEG_SIZE" in opts or "UCX_TCP_RX_SEG_SIZE" in os.environ
+    given = set(opts)
+    given.update(k[4:] for k in os.environ if k.startswith("UCX_"))
     for name, value in _defaults().items():
-        if name in opts or f"UCX_{name}" in os.environ:
-            continue
-        if name == "TCP_TX_SEG_SIZE" and rx_set:
-            continue    # UCX refuses a send segment above the receive segment
-        opts[name] = value
+        if given.isdisjoint((name, *DEFAULT_YIELDS_TO.get(name, ()))):
+            opts[name] = value
     return opts
 
 
